@@ -1,0 +1,38 @@
+# `make demo` and `make test` each build the virtual environment they need.
+PYTHON ?= python3
+VENV := .venv
+CORE_VENV := .venv-core
+PIP := -m pip install -q --disable-pip-version-check -c constraints.txt
+
+.PHONY: demo test test-core test-all bench clean
+
+$(VENV)/.stamp: pyproject.toml constraints.txt
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python $(PIP) -e '.[dev]'
+	touch $@
+
+# framework-free: proves the core needs no framework
+$(CORE_VENV)/.stamp: pyproject.toml constraints.txt
+	rm -rf $(CORE_VENV)
+	$(PYTHON) -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/python $(PIP) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.stamp
+	$(VENV)/bin/ampbridge demo
+
+test: test-core test-all
+
+test-core: $(CORE_VENV)/.stamp
+	$(CORE_VENV)/bin/python -m pytest tests/core -q
+
+# every backend is required here: a missing framework fails instead of skipping
+test-all: $(VENV)/.stamp
+	AMPBRIDGE_REQUIRE=all $(VENV)/bin/python -m pytest -q
+
+bench: $(VENV)/.stamp
+	$(VENV)/bin/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) $(CORE_VENV) build *.egg-info

@@ -1,0 +1,283 @@
+"""The ``ampbridge`` command line.
+
+Exit status: 0 success, 1 an invalid policy (or other bad input file), 2 bad usage.
+User errors print one clear message, never a traceback.
+
+Example:
+    >>> main(["formats"])  # doctest: +ELLIPSIS
+    dtype ...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import _io
+from ._dtypes import format_table, formats
+from ._plan import Plan, build_plan, layers_from_data
+from ._policy import LOSS_SCALE_FIELDS, TOP_FIELDS, Policy
+from .errors import AmpBridgeError, PolicyError
+
+EXAMPLES = Path(__file__).parent / "examples"
+
+
+class UsageError(Exception):
+    """Bad usage: exit status 2."""
+
+
+def _example_policy() -> Path:
+    return EXAMPLES / "amp.toml"
+
+
+def _parse_at(text: str | None) -> dict[str, int] | None:
+    if text is None:
+        return None
+    unit, sep, value = text.partition("=")
+    if not sep or unit not in ("epoch", "step") or not value.strip().isdigit():
+        raise UsageError(f"--at takes epoch=N or step=N (N >= 0), got {text!r}")
+    return {unit: int(value)}
+
+
+def _at(policy: Policy, at: dict[str, int] | None) -> Policy:
+    if at is None:
+        return policy
+    unit = policy.phase_unit
+    if unit is not None and unit not in at:
+        raise UsageError(f"this policy's phases are scheduled by {unit}; use --at {unit}=N")
+    return policy.at(**at)
+
+
+def _defaults_notes(policy: Policy, origins: dict[str, str], main_source: str) -> dict[str, str]:
+    """End-of-line comments for ``show``: which keys were defaulted, which came from a base."""
+    notes: dict[str, str] = {}
+    for spec in TOP_FIELDS:
+        if spec.name == "version":
+            continue
+        src = origins.get(spec.name)
+        if src is None:
+            notes[spec.name] = "default" if spec.name != "reduce_dtype" else "default: param_dtype"
+        elif src != main_source:
+            notes[spec.name] = f"from {_short(src)}"
+    for spec in LOSS_SCALE_FIELDS:
+        key = f"loss_scale.{spec.name}"
+        src = origins.get(key)
+        if src is None:
+            notes[key] = "default"
+        elif src != main_source:
+            notes[key] = f"from {_short(src)}"
+    return notes
+
+
+def _short(source: str) -> str:
+    try:
+        return os.path.relpath(source)
+    except ValueError:
+        return source
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    status = 0
+    for name in args.files:
+        try:
+            _io.load(name)
+        except PolicyError as e:
+            status = 1
+            print(f"invalid: {name}", file=sys.stderr)
+            for p in e.problems:
+                print(f"  {p}", file=sys.stderr)
+        else:
+            print(f"ok: {name}")
+    return status
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    policy, origins = _io.load_with_origins(args.file)
+    at = _parse_at(args.at)
+    if at is not None:
+        policy = _at(policy, at)
+        where = ", ".join(f"{k} {v}" for k, v in at.items())
+        print(f"# the settings in force at {where}", file=sys.stderr if args.format == "json" else sys.stdout)
+    notes = {} if args.format == "json" else _defaults_notes(policy, origins, str(args.file))
+    data = _io.policy_to_dict(policy)
+    sys.stdout.write(_io.render(data, args.format, notes))
+    if args.format == "json":
+        filled = sorted(k for k, v in _defaults_notes(policy, origins, str(args.file)).items() if v.startswith("default"))
+        print(f"defaults filled: {', '.join(filled) or 'none'}", file=sys.stderr)
+    return 0
+
+
+def _load_model(spec: str) -> tuple[Any, tuple[Any, ...]]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--model takes module:callable (as in mypkg.models:build), got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"--model: cannot import {module_name!r}: {e}") from None
+    finally:
+        sys.path.pop(0)
+    try:
+        factory = getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"--model: {module_name!r} has no attribute {attr!r}") from None
+    made = factory() if callable(factory) else factory
+    if isinstance(made, tuple) and made:  # (model, *example_inputs), as Flax needs inputs
+        return made[0], tuple(made[1:])
+    return made, ()
+
+
+def _plan_for(policy: Policy, args: argparse.Namespace) -> Plan:
+    if args.layers:
+        try:
+            data = json.loads(Path(args.layers).read_text(encoding="utf-8"))
+            layers = layers_from_data(data, str(args.layers))
+        except FileNotFoundError:
+            raise UsageError(f"--layers: no such file {args.layers!r}") from None
+        except (json.JSONDecodeError, ValueError) as e:
+            raise UsageError(f"--layers: {e}") from None
+        return build_plan(layers, policy)
+    model, inputs = _load_model(args.model)
+    import ampbridge
+
+    return ampbridge.plan(model, policy, *inputs)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import warnings
+
+    policy = _io.load(args.file)
+    at = _parse_at(args.at)
+    policies = [(None, _at(policy, at))]
+    if args.all_phases and policy.phases:
+        policies = []
+        start = 0
+        for i, ph in enumerate(policy.phases):
+            span = f"{policy.phase_unit} {start}" + (f"-{ph.until - 1}" if ph.until else "+")
+            policies.append((f"phase[{i}] ({span})", ph.policy))
+            start = ph.until or start
+        if policy.phases[-1].until is not None:
+            policies.append((f"after the schedule ({policy.phase_unit} {start}+)", policy.replace(phases=())))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plans = [(label, _plan_for(p, args)) for label, p in policies]
+    if args.format == "json":
+        if len(plans) == 1:
+            print(plans[0][1].to_json())
+        else:
+            print(json.dumps([{"phase": label, **p.to_dict()} for label, p in plans], indent=2))
+    else:
+        for label, p in plans:
+            if label:
+                print(f"== {label}")
+            print(p.table(only_ruled=args.only_ruled))
+            print()
+    for w in caught:
+        if not issubclass(w.category, Warning) or "matches no layer" in str(w.message):
+            continue  # already listed in the table
+        print(f"warning: {w.message}", file=sys.stderr)
+    return 0
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps({k: f.as_dict() for k, f in formats().items()}, indent=2))
+    else:
+        print(format_table())
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from ._schema import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ampbridge", description="One mixed-precision policy for "
+                                     "PyTorch, Keras and JAX.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("validate", help="check policy files; every problem listed (exit 1 if any)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(run=cmd_validate)
+
+    p = sub.add_parser("show", help="print a policy resolved, with the defaults filled in")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--format", choices=_io.FORMATS, default="toml")
+    p.add_argument("--at", metavar="epoch=N|step=N", help="the settings in force at that point of the schedule")
+    p.set_defaults(run=cmd_show)
+
+    p = sub.add_parser("explain", help="print the Plan: which layer runs in which dtype, and why")
+    p.add_argument("file", metavar="FILE")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--layers", metavar="LAYERS.json", help="a JSON list of {path, kind, class, params}")
+    src.add_argument("--model", metavar="MODULE:CALLABLE",
+                     help="a callable returning a model (or (model, *example_inputs) for Flax)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--at", metavar="epoch=N|step=N", help="plan the phase in force at that point")
+    p.add_argument("--all-phases", action="store_true", help="one plan per phase of the schedule")
+    p.add_argument("--only-ruled", action="store_true", help="hide the rows the defaults decided")
+    p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("formats", help="floating-point format facts of every dtype")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_formats)
+
+    p = sub.add_parser("schema", help="the JSON Schema of the policy file")
+    p.set_defaults(run=cmd_schema)
+
+    p = sub.add_parser("demo", help="the example policy, planned and trained in every installed framework")
+    p.add_argument("policy", nargs="?", default=None, metavar="POLICY")
+    p.add_argument("--steps", type=int, default=40, help="training steps per framework")
+    p.add_argument("--frameworks", default=None, help="comma list (default: every installed one)")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss and loss scale (needs matplotlib)")
+    p.set_defaults(run=cmd_demo)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"ampbridge {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on bad usage
+    try:
+        return int(args.run(args))
+    except UsageError as e:
+        print(f"ampbridge {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except PolicyError as e:
+        print(f"ampbridge {args.command}: invalid policy:", file=sys.stderr)
+        for p in e.problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    except AmpBridgeError as e:
+        print(f"ampbridge {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `ampbridge schema | head`
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

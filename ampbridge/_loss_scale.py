@@ -1,0 +1,188 @@
+"""The reference loss-scale algorithm: the one every backend's scaler must reproduce.
+
+Pure Python, on float32 values (every product is rounded to float32, as a float32 scale
+tensor would be). For each optimizer step with ``found_inf`` (any gradient non-finite)::
+
+    if found_inf:
+        good_steps = 0
+        skipped += 1                      (when skip_nonfinite)
+        if hysteresis_left <= 1:
+            if scale == min_scale: on_min_scale decides (clamp: stay; warn: warn once; error: raise)
+            scale = max(scale * backoff_factor, min_scale)
+        else:
+            hysteresis_left -= 1
+    else:
+        good_steps += 1
+        if consecutive_hysteresis: hysteresis_left = hysteresis
+        if good_steps == growth_interval:
+            if not consecutive_hysteresis: hysteresis_left = hysteresis
+            new = scale * growth_factor; if finite: scale = min(new, max_scale)
+            good_steps = 0
+    steps += 1
+
+With ``hysteresis = 1`` this is torch's ``GradScaler`` (``_amp_update_scale_``) and jmp's
+``DynamicLossScale`` (when ``backoff_factor == 1 / growth_factor``); with DeepSpeed's keys it is
+DeepSpeed's ``DynamicLossScaler`` in the releases whose growth test is
+``(cur_iter - last_overflow_iter) % scale_window == 0`` (see docs/loss_scaling.md for the
+releases that grow one step later). Static mode keeps the scale fixed; mode ``none`` keeps it
+at 1. Both still count (and, with ``skip_nonfinite``, skip) non-finite steps.
+
+The growth and backoff factors are applied as float32 values (``float32(scale * float32(f))``),
+which is what Keras and JAX do natively; the torch backend hands torch the float32-rounded
+factors so all three agree even for factors such as 1.1 that float32 cannot hold exactly.
+
+Example:
+    >>> from ampbridge import LossScaleConfig, LossScaler
+    >>> s = LossScaler(LossScaleConfig(mode="dynamic", growth_interval=2))
+    >>> [s.update(found_inf) for found_inf in (False, True, False, False)]
+    [True, False, True, True]
+    >>> s.scale
+    65536.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._policy import LossScaleConfig
+from .errors import AmpBridgeWarning, LossScaleError
+
+__all__ = ["LossScaleState", "LossScaler", "initial_state", "next_state", "trajectory", "f32"]
+
+
+def f32(x: float) -> float:
+    """Round a Python float to the nearest float32 (inf past float32's range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+@dataclass(frozen=True)
+class LossScaleState:
+    """The whole loss-scale state; every backend checkpoints all of it.
+
+    ``skipped`` counts the non-finite steps whose optimizer update was skipped; ``steps`` counts
+    every step the scaler has seen.
+    """
+
+    scale: float
+    good_steps: int = 0
+    hysteresis_left: int = 1
+    steps: int = 0
+    skipped: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LossScaleState":
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        unknown = [k for k in data if k not in names]
+        if missing or unknown:
+            raise ValueError(f"loss-scale state needs exactly the keys {names}; "
+                             f"missing {missing}, unknown {unknown}")
+        return cls(scale=float(data["scale"]), **{n: int(data[n]) for n in names if n != "scale"})
+
+
+def _require_resolved(cfg: LossScaleConfig) -> None:
+    if cfg.mode == "auto":
+        raise ValueError("resolve mode='auto' first: config.resolve(compute_dtype)")
+
+
+def initial_state(cfg: LossScaleConfig) -> LossScaleState:
+    """The state before the first step. ``cfg.mode`` must be resolved (not ``auto``)."""
+    _require_resolved(cfg)
+    scale = 1.0 if cfg.mode == "none" else f32(cfg.initial_scale)
+    return LossScaleState(scale=scale, hysteresis_left=cfg.hysteresis)
+
+
+def next_state(cfg: LossScaleConfig, state: LossScaleState, found_inf: bool,
+               *, warned: list[bool] | None = None) -> LossScaleState:
+    """One step of the reference algorithm (pure: returns a new state).
+
+    ``warned`` is a one-element list the ``warn`` mode of ``on_min_scale`` uses to warn once.
+    Raises :class:`LossScaleError` on an overflow at ``min_scale`` with ``on_min_scale = "error"``.
+    """
+    _require_resolved(cfg)
+    scale, good, hyst = state.scale, state.good_steps, state.hysteresis_left
+    skipped = state.skipped + (1 if found_inf and cfg.skip_nonfinite else 0)
+    if cfg.mode == "dynamic":
+        if found_inf:
+            good = 0
+            if hyst <= 1:
+                lo = f32(cfg.min_scale) if cfg.min_scale is not None else None
+                if lo is not None and scale == lo:
+                    if cfg.on_min_scale == "error":
+                        raise LossScaleError(
+                            f"loss scale overflowed at min_scale={cfg.min_scale} "
+                            f"(step {state.steps}); on_min_scale='error' stops the run")
+                    if cfg.on_min_scale == "warn" and not (warned and warned[0]):
+                        warnings.warn(f"loss scale is stuck at min_scale={cfg.min_scale} and "
+                                      f"gradients still overflow (step {state.steps})",
+                                      AmpBridgeWarning, stacklevel=3)
+                        if warned is not None:
+                            warned[0] = True
+                scale = f32(scale * f32(cfg.backoff_factor))
+                if lo is not None:
+                    scale = max(scale, lo)
+            else:
+                hyst -= 1
+        else:
+            good += 1
+            if cfg.consecutive_hysteresis:
+                hyst = cfg.hysteresis
+            if good == cfg.growth_interval:
+                if not cfg.consecutive_hysteresis:
+                    hyst = cfg.hysteresis
+                new = f32(scale * f32(cfg.growth_factor))
+                if math.isfinite(new):
+                    scale = min(new, f32(cfg.max_scale)) if cfg.max_scale is not None else new
+                good = 0
+    return LossScaleState(scale=scale, good_steps=good, hysteresis_left=hyst,
+                          steps=state.steps + 1, skipped=skipped)
+
+
+def trajectory(cfg: LossScaleConfig, found_infs: Iterable[bool],
+               state: LossScaleState | None = None) -> list[LossScaleState]:
+    """The states after each step of a finite/non-finite sequence (the conformance oracle)."""
+    warned = [True]  # conformance runs should not spam warnings
+    state = state or initial_state(cfg)
+    out = []
+    for found_inf in found_infs:
+        state = next_state(cfg, state, bool(found_inf), warned=warned)
+        out.append(state)
+    return out
+
+
+class LossScaler:
+    """A mutable loss scaler over the reference algorithm, for framework-free use and tests.
+
+    ``update(found_inf)`` returns True when the optimizer step should be applied.
+    """
+
+    def __init__(self, config: LossScaleConfig, compute_dtype: str = "float16"):
+        self.config = config.resolve(compute_dtype)
+        self.state = initial_state(self.config)
+        self._warned = [False]
+
+    @property
+    def scale(self) -> float:
+        return self.state.scale
+
+    def update(self, found_inf: bool) -> bool:
+        self.state = next_state(self.config, self.state, bool(found_inf), warned=self._warned)
+        return not (found_inf and self.config.skip_nonfinite)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.to_dict()
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        self.state = LossScaleState.from_dict(data)

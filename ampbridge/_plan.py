@@ -1,0 +1,284 @@
+"""The Plan: which layer runs in which dtype, and which rule decided it.
+
+A backend describes its model as neutral :class:`Layer` descriptors (path, kind, class name,
+own parameter count); :func:`build_plan` matches them against the policy's rules and returns
+one :class:`PlanRow` per layer. Resolution, per layer:
+
+1. the *last* rule (``keep_float32`` entries first, then ``[[override]]`` tables, in file
+   order) that matches the layer itself decides it;
+2. otherwise the layer inherits the decision of its nearest ancestor that a rule matched
+   (pinning ``decoder`` pins everything inside it, as torch's autocast-disabled region would);
+3. otherwise the policy's own dtypes apply (``default``).
+
+A rule leaves out a dtype to take the policy's: ``compute_dtype`` and ``param_dtype`` default
+to the policy's, ``output_dtype`` to the row's compute dtype (a layer emits what it computes).
+
+Example:
+    >>> from ampbridge import Layer, build_plan, Policy
+    >>> plan = build_plan([Layer("encoder", None, "Block"), Layer("encoder.norm", "norm", "LayerNorm")],
+    ...                   Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",)))
+    >>> plan["encoder.norm"].compute_dtype, plan["encoder.norm"].rule
+    ('float32', 'keep_float32[0]')
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ._matching import KINDS, compile_pattern
+from ._policy import Policy
+from ._table import render_table
+from .errors import UnmatchedRuleWarning
+
+__all__ = ["Layer", "PlanRow", "Plan", "build_plan", "layers_from_data"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A framework-neutral description of one layer.
+
+    ``path`` joins the layer's names with ``.``; ``kind`` is one of :data:`ampbridge.KINDS` or
+    None; ``param_count`` counts the parameters the layer owns itself (not its children's).
+    """
+
+    path: str
+    kind: str | None = None
+    class_name: str = ""
+    param_count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind not in KINDS:
+            raise ValueError(f"layer {self.path!r}: unknown kind {self.kind!r}; accepted: {', '.join(KINDS)} or None")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One layer of the Plan. ``rule`` is ``"default"``, ``"keep_float32[i]"`` or ``"override[i]"``."""
+
+    path: str
+    kind: str | None
+    class_name: str
+    param_count: int
+    compute_dtype: str
+    param_dtype: str
+    output_dtype: str
+    rule: str = "default"
+    pattern: str | None = None  # the pattern of the deciding rule that matched
+    inherited_from: str | None = None  # the ancestor whose rule this row follows
+    note: str | None = None  # where the framework's own machinery changes the row
+
+    @property
+    def decided_by(self) -> str:
+        """The rule, in words: ``keep_float32[0] kind:norm (via encoder)``."""
+        if self.rule == "default":
+            return "default"
+        text = f"{self.rule} {self.pattern}" if self.pattern else self.rule
+        return text + (f" (via {self.inherited_from})" if self.inherited_from else "")
+
+    def key(self) -> tuple[Any, ...]:
+        """What must agree when the same policy is planned in two frameworks."""
+        return (self.path, self.kind, self.compute_dtype, self.param_dtype, self.output_dtype,
+                self.rule, self.inherited_from)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The per-layer dtype plan of a model under a policy. Prints as a table; ``to_json()``."""
+
+    rows: tuple[PlanRow, ...]
+    policy: Policy
+    framework: str | None = None
+    unmatched_rules: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    _index: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {r.path: i for i, r in enumerate(self.rows)})
+
+    def __getitem__(self, path: str) -> PlanRow:
+        try:
+            return self.rows[self._index[path]]
+        except KeyError:
+            raise KeyError(f"no layer {path!r} in the plan") from None
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._index
+
+    def __iter__(self) -> Iterator[PlanRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def summary(self) -> dict[str, int]:
+        """Parameters per compute dtype."""
+        counts: dict[str, int] = {}
+        for r in self.rows:
+            counts[r.compute_dtype] = counts.get(r.compute_dtype, 0) + r.param_count
+        return counts
+
+    def table(self, *, only_ruled: bool = False) -> str:
+        """The Plan as a text table; ``only_ruled`` hides rows the defaults decided."""
+        p = self.policy
+        ls = p.resolved_loss_scale
+        head = [
+            f"Plan{' (' + self.framework + ')' if self.framework else ''}: compute {p.compute_dtype}, "
+            f"params {p.param_dtype}, output {p.output_dtype}, reduce {p.reduce_dtype}, "
+            f"loss scale {ls.mode}" + (f" from {ls.initial_scale:g}" if ls.mode in ("dynamic", "static") else ""),
+        ]
+        rows = [r for r in self.rows if not (only_ruled and r.rule == "default")]
+        body = render_table(
+            ("layer", "kind", "class", "params", "compute", "param", "output", "decided by"),
+            [(r.path or "(root)", r.kind or "-", r.class_name, str(r.param_count), r.compute_dtype,
+              r.param_dtype, r.output_dtype, r.decided_by + (f" [{r.note}]" if r.note else ""))
+             for r in rows],
+        )
+        tail = []
+        totals = self.summary()
+        total = sum(totals.values())
+        if total:
+            tail.append("parameters by compute dtype: " + ", ".join(
+                f"{k} {v} ({100 * v / total:.1f}%)" for k, v in sorted(totals.items())))
+        for label in self.unmatched_rules:
+            tail.append(f"warning: {label} matches no layer")
+        tail.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(head + [body] + tail)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        from ._io import policy_to_dict
+
+        return {
+            "framework": self.framework,
+            "policy": policy_to_dict(self.policy),
+            "rows": [asdict(r) for r in self.rows],
+            "unmatched_rules": list(self.unmatched_rules),
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        return cls(
+            rows=tuple(PlanRow(**r) for r in data["rows"]),
+            policy=Policy.from_dict(data["policy"]),
+            framework=data.get("framework"),
+            unmatched_rules=tuple(data.get("unmatched_rules", ())),
+            notes=tuple(data.get("notes", ())),
+        )
+
+    def differences(self, other: "Plan") -> list[str]:
+        """Row-by-row disagreements on path, kind, dtypes and deciding rule (empty: same plan)."""
+        out = []
+        mine, theirs = {r.path: r for r in self.rows}, {r.path: r for r in other.rows}
+        for path in mine.keys() - theirs.keys():
+            out.append(f"{path}: only in {self.framework or 'the first plan'}")
+        for path in theirs.keys() - mine.keys():
+            out.append(f"{path}: only in {other.framework or 'the second plan'}")
+        names = ("path", "kind", "compute_dtype", "param_dtype", "output_dtype", "rule", "inherited_from")
+        for path in mine.keys() & theirs.keys():
+            for name, a, b in zip(names, mine[path].key(), theirs[path].key()):
+                if a != b:
+                    out.append(f"{path}: {name} {a!r} != {b!r}")
+        return sorted(out)
+
+
+def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None = None,
+               adjust: Callable[[PlanRow], PlanRow] | None = None, notes: Iterable[str] = (),
+               warn: bool = True) -> Plan:
+    """Match layers against the policy's rules (see the module docstring for the order).
+
+    ``adjust`` lets a backend correct a row where its framework overrides the request (torch's
+    autocast runs some ops in float32 whatever is asked); ``warn`` emits
+    :class:`UnmatchedRuleWarning` for each rule that matches no layer.
+    """
+    layers = list(layers)
+    if policy.phases:
+        policy = policy.at(step=0, epoch=0)
+    compiled = [(label, rule, [compile_pattern(m) for m in rule.match]) for label, rule in policy.rules]
+    matched = [False] * len(compiled)
+    decisions: dict[str, tuple[int, str]] = {}  # path -> (rule index, matching pattern)
+    for layer in layers:
+        kind, cls = layer.kind, layer.class_name
+        for idx in range(len(compiled) - 1, -1, -1):
+            label, rule, patterns = compiled[idx]
+            hit = next((p.text for p in patterns if p.matches(layer.path, kind, cls)), None)
+            if hit is not None:
+                decisions[layer.path] = (idx, hit)
+                matched[idx] = True
+                break
+        # a rule that loses to a later one still counts as matching (it is not a typo)
+        for idx in range(len(compiled)):
+            if not matched[idx] and any(p.matches(layer.path, kind, cls) for p in compiled[idx][2]):
+                matched[idx] = True
+
+    rows = []
+    for layer in layers:
+        decided, inherited = decisions.get(layer.path), None
+        if decided is None:
+            parent = layer.path
+            while "." in parent and decided is None:
+                parent = parent.rsplit(".", 1)[0]
+                decided = decisions.get(parent)
+            if decided is not None:
+                inherited = parent
+            elif layer.path and "" in decisions:
+                decided, inherited = decisions[""], ""
+        if decided is None:
+            row = PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count,
+                          policy.compute_dtype, policy.param_dtype, policy.compute_dtype)
+        else:
+            idx, pattern = decided
+            label, rule, _ = compiled[idx]
+            compute = rule.compute_dtype or policy.compute_dtype
+            row = PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count, compute,
+                          rule.param_dtype or policy.param_dtype, rule.output_dtype or compute,
+                          label, pattern, inherited)
+        rows.append(adjust(row) if adjust else row)
+
+    unmatched = tuple(f"{label} ({', '.join(rule.match)})"
+                      for (label, rule, _), hit in zip(compiled, matched) if not hit)
+    if warn:
+        for text in unmatched:
+            warnings.warn(f"{text} matches no layer of the model (a typo?)", UnmatchedRuleWarning,
+                          stacklevel=2)
+    return Plan(tuple(rows), policy, framework, unmatched, tuple(notes))
+
+
+def layers_from_data(data: Any, source: str = "<layers>") -> list[Layer]:
+    """Layers from a JSON-like list: ``[{"path": ..., "kind": ..., "class": ..., "params": ...}]``.
+
+    ``class_name``/``class`` and ``param_count``/``params`` are both accepted.
+    """
+    if isinstance(data, Mapping) and "layers" in data:
+        data = data["layers"]
+    if not isinstance(data, list):
+        raise ValueError(f"{source}: expected a list of layer objects")
+    out = []
+    for i, item in enumerate(data):
+        if not isinstance(item, Mapping) or "path" not in item:
+            raise ValueError(f"{source}: layer [{i}] must be an object with at least a 'path'")
+        unknown = set(item) - {"path", "kind", "class", "class_name", "params", "param_count"}
+        if unknown:
+            raise ValueError(f"{source}: layer [{i}] has unknown keys {sorted(unknown)}; accepted: "
+                             "path, kind, class (or class_name), params (or param_count)")
+        try:
+            out.append(Layer(str(item["path"]), item.get("kind"),
+                             str(item.get("class", item.get("class_name", ""))),
+                             int(item.get("params", item.get("param_count", 0)))))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: layer [{i}]: {e}") from None
+    return out
+
+
+def with_note(row: PlanRow, note: str, **changes: Any) -> PlanRow:
+    """A row with some dtypes changed and a note saying why (for backends' ``adjust``)."""
+    return replace(row, note=note, **changes)

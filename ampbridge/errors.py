@@ -1,0 +1,120 @@
+"""The ampbridge error and warning hierarchy.
+
+Every error ampbridge raises on purpose derives from :class:`AmpBridgeError` and also from
+the built-in exception a caller would naturally catch (``ValueError`` for a bad policy,
+``ImportError`` for a missing framework), so ``except ValueError`` keeps working.
+
+Example:
+    >>> import ampbridge
+    >>> try:
+    ...     ampbridge.loads('compute_dtype = "fp8"')
+    ... except ValueError as e:
+    ...     print(type(e).__name__)
+    PolicyError
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "AmpBridgeError",
+    "PolicyError",
+    "Problem",
+    "BackendUnavailableError",
+    "UnknownBackendError",
+    "UnsupportedOptionError",
+    "LossScaleError",
+    "AmpBridgeWarning",
+    "UnmatchedRuleWarning",
+]
+
+_ABSENT: Any = object()
+
+
+class AmpBridgeError(Exception):
+    """Base class of every error ampbridge raises on purpose."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a policy: where it is, what was received, what is accepted."""
+
+    message: str
+    key: str | None = None
+    file: str | None = None
+    line: int | None = None
+    value: Any = field(default=_ABSENT, compare=False)
+    accepted: str | None = None
+    hint: str | None = None
+
+    @property
+    def has_value(self) -> bool:
+        return self.value is not _ABSENT
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file:
+            where = self.file + (f":{self.line}" if self.line else "") + ": "
+        elif self.line:
+            where = f"line {self.line}: "
+        text = where + (f"{self.key}: " if self.key else "") + self.message
+        if self.has_value:
+            text += f"; received {self.value!r} (of type {type(self.value).__name__})"
+        if self.accepted:
+            text += f"; accepted: {self.accepted}"
+        if self.hint:
+            text += f". {self.hint}"
+        return text
+
+
+class PolicyError(AmpBridgeError, ValueError):
+    """A policy document or object is invalid.
+
+    ``problems`` lists every problem found (validation does not stop at the first);
+    ``file``, ``line``, ``key`` and ``value`` describe the first one.
+    """
+
+    def __init__(self, problems: list[Problem] | tuple[Problem, ...] | str):
+        if isinstance(problems, str):
+            problems = [Problem(problems)]
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        first = self.problems[0] if self.problems else Problem("invalid policy")
+        self.file = first.file
+        self.line = first.line
+        self.key = first.key
+        self.value = first.value if first.has_value else None
+        self.accepted = first.accepted
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        if len(self.problems) == 1:
+            return str(self.problems[0])
+        lines = [f"{len(self.problems)} problems in the policy:"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class BackendUnavailableError(AmpBridgeError, ImportError):
+    """A framework (or a library a backend needs) is not installed."""
+
+
+class UnknownBackendError(AmpBridgeError, TypeError):
+    """No installed backend recognises the object it was given."""
+
+
+class UnsupportedOptionError(AmpBridgeError, NotImplementedError):
+    """A backend cannot honour a policy setting; it refuses rather than drop it silently."""
+
+
+class LossScaleError(AmpBridgeError, FloatingPointError):
+    """An overflow at ``min_scale`` with ``on_min_scale = "error"``."""
+
+
+class AmpBridgeWarning(UserWarning):
+    """Base class of ampbridge's warnings."""
+
+
+class UnmatchedRuleWarning(AmpBridgeWarning):
+    """A pinning or override rule matched no layer of the model (usually a typo)."""

@@ -1,0 +1,32 @@
+import doctest
+import importlib
+
+import pytest
+
+import ampbridge
+
+CORE_MODULES = ["ampbridge", "ampbridge.errors", "ampbridge._dtypes", "ampbridge._matching", "ampbridge._policy",
+                "ampbridge._io", "ampbridge._loss_scale", "ampbridge._plan", "ampbridge._schema", "ampbridge._table",
+                "ampbridge._registry", "ampbridge._testing", "ampbridge._cli"]
+
+
+def test_every_public_name_exists():
+    for name in ampbridge.__all__:
+        assert hasattr(ampbridge, name), name
+    assert issubclass(ampbridge.PolicyError, ValueError)
+    assert issubclass(ampbridge.BackendUnavailableError, ImportError)
+    assert issubclass(ampbridge.PolicyError, ampbridge.AmpBridgeError)
+
+
+@pytest.mark.parametrize("name", CORE_MODULES)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+    if name not in ("ampbridge._testing",):
+        assert module.__doc__, f"{name} needs a module docstring"
+
+
+def test_unknown_attribute():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ampbridge.nope  # noqa: B018
