@@ -202,8 +202,35 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from ._report import format_summary, plot, summarize
+    from ._runlog import read_log
+
+    try:
+        log = read_log(args.log)
+    except FileNotFoundError:
+        raise UsageError(f"no such file {args.log!r}") from None
+    except ValueError as e:
+        print(f"ampbridge report: {e}", file=sys.stderr)
+        return 1
+    summary = summarize(log)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
+    if args.plot:
+        plot(log, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ._doctor import doctor
+
+    frameworks = [f.strip() for f in args.frameworks.split(",")] if args.frameworks else None
+    print(doctor(frameworks))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from ._demo.run import run_demo
 
     return run_demo(args)
 
@@ -243,6 +270,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="the JSON Schema of the policy file")
     p.set_defaults(run=cmd_schema)
+
+    p = sub.add_parser("report", help="summarise a numerics log (JSON Lines) with advice")
+    p.add_argument("log", metavar="RUN.jsonl")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss scale, skips and underflow")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_report)
+
+    p = sub.add_parser("doctor", help="devices, native dtypes, the auto choice and matmul precision per framework")
+    p.add_argument("--frameworks", default=None, help="comma list: torch, tensorflow, jax (default: all installed)")
+    p.set_defaults(run=cmd_doctor)
 
     p = sub.add_parser("demo", help="the example policy, planned and trained in every installed framework")
     p.add_argument("policy", nargs="?", default=None, metavar="POLICY")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import CONFIG, Config, weights
+from .model import CONFIG, Config, weights
 
 
 class SelfAttention(nn.Module):

@@ -7,7 +7,7 @@ import math
 import keras
 from keras import layers, ops
 
-from . import CONFIG, Config, weights
+from .model import CONFIG, Config, weights
 
 
 class SelfAttention(layers.Layer):

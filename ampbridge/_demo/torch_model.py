@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import CONFIG, Config, weights
+from .model import CONFIG, Config, weights
 
 
 class SelfAttention(nn.Module):
