@@ -643,9 +643,10 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
         fields = {"compute_dtype": "float32", "param_dtype": "float32", "output_dtype": "float32"}
         ls = {"mode": "none", "skip_nonfinite": False}
         r.origins["compute_dtype"] = "fp16.enabled"
+        _origins_all_loss_scale(r, "fp16.enabled (float32: no loss scaling, no overflow check)")
     default_reduce = {"fp16": "float16", "bf16": "bfloat16"}.get(mode or "", "float32")
     fields["reduce_dtype"] = comm_dtype or default_reduce
-    r.origins["reduce_dtype"] = "communication_data_type" if comm_dtype else f"DeepSpeed's default for {mode or 'fp32'}"
+    r.origins["reduce_dtype"] = "communication_data_type" + ("" if comm_dtype else f" (absent: {mode or 'fp32'}'s default)")
     policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
     return r.done(policy, _ALL_BUT_MATMUL)
 
@@ -821,7 +822,9 @@ def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple, trainer: str | None) -> 
         return fields, {"mode": "dynamic", "initial_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
                         "growth_interval": 2000, "min_scale": min_s, "max_scale": max_s, "skip_nonfinite": True}
     # apex's static scaler never checks for overflow, so nothing is skipped
-    return fields, {"mode": "none" if scale == 1.0 else "static", "initial_scale": scale, "skip_nonfinite": False}
+    if scale == 1.0:
+        return fields, {"mode": "none", "skip_nonfinite": False}
+    return fields, {"mode": "static", "initial_scale": scale, "skip_nonfinite": False}
 
 
 def to_deepspeed(policy: Policy, *, via: str = "native", release: str = "stable_interval") -> Conversion:
@@ -1074,6 +1077,11 @@ def _read_grad_scaler_args(r: _Reader, kw: Mapping[str, Any], path: tuple, what:
             "growth_interval": interval, "skip_nonfinite": True}
 
 
+def _origins_all_loss_scale(r: _Reader, origin: str) -> None:
+    for key in ("mode", "initial_scale", "growth_factor", "backoff_factor", "growth_interval", "skip_nonfinite"):
+        r.origins[f"loss_scale.{key}"] = origin
+
+
 def _write_grad_scaler_args(w: _Writer, p: Policy, tool: str, *, defaults_as_none: bool = False) -> dict | None:
     """The loss-scale settings as torch GradScaler arguments (float32-rounded factors), with the losses."""
     ls = p.resolved_loss_scale
@@ -1181,6 +1189,8 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     ls = {"mode": "none", "skip_nonfinite": False}
     if raw == "fp16":
         ls = _read_grad_scaler_args(r, kwargs, ("grad_scaler_kwargs",), "GradScalerKwargs")
+    if raw != "fp16" or not kwargs:
+        _origins_all_loss_scale(r, f"mixed_precision {raw!r}" + (" (GradScaler's defaults)" if raw == "fp16" else ""))
     reduce = "float32"
     if dist == "FSDP":
         reduce = compute
@@ -1322,6 +1332,8 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
     ls: dict[str, Any] = {"mode": "none", "skip_nonfinite": False}
     if name == "16-mixed":
         ls = _read_grad_scaler_args(r, dict(grad_scaler or {}), ("grad_scaler",), "a GradScaler's arguments")
+    if name != "16-mixed" or not grad_scaler:
+        _origins_all_loss_scale(r, f"precision {name!r}" + (" (torch GradScaler's defaults)" if name == "16-mixed" else ""))
     elif grad_scaler:
         r.problem(("grad_scaler",), f"precision={name!r} uses no GradScaler", value=dict(grad_scaler),
                   accepted="grad_scaler only with '16-mixed'")
@@ -1415,14 +1427,16 @@ def from_keras_loss_scale_optimizer(config: Mapping[str, Any]) -> Conversion:
     return r.done(cfg, ("loss_scale",))
 
 
-def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = None) -> Conversion:
+def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = None,
+               loss_scale_factor: float | None = None) -> Conversion:
     """A Keras dtype-policy name (or a LossScaleOptimizer config dict) -> Policy.
 
     ``mixed_float16`` / ``mixed_bfloat16``: compute in half, float32 variables; a dtype name
     (``float32``, ``float16``, ``bfloat16``): both. Keras layers return their compute dtype, so
     ``output_dtype`` is the compute dtype. For ``mixed_float16``, ``Model.compile`` wraps the
     optimizer in a ``LossScaleOptimizer`` (2**15, 2000 steps) unless ``loss_scale_optimizer``
-    gives the config of the one you use. A dict is read as a LossScaleOptimizer config alone.
+    gives the config of the one you use; ``loss_scale_factor`` is a static scale set on the
+    optimizer (Keras then skips nothing). A dict is read as a LossScaleOptimizer config alone.
 
     Example:
         >>> p = from_keras("mixed_float16").result
@@ -1452,7 +1466,19 @@ def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = 
     loss_scale = LossScaleConfig(mode="none", skip_nonfinite=False)
     covers = set(_ALL_BUT_MATMUL)
     state = None
-    if loss_scale_optimizer is not None:
+    if loss_scale_optimizer is not None and loss_scale_factor is not None:
+        raise PolicyError([Problem("give loss_scale_optimizer or loss_scale_factor, not both (a LossScaleOptimizer "
+                                   "clears its inner optimizer's loss_scale_factor)", key="loss_scale_factor",
+                                   value=loss_scale_factor)])
+    if loss_scale_factor is not None:
+        if policy == "mixed_float16":
+            r.loss("loss_scale_factor", loss_scale_factor, "Model.compile() wraps a mixed_float16 model's optimizer in "
+                   "a LossScaleOptimizer, which clears loss_scale_factor; read as the static scale it was meant to be")
+        factor = _get_number(r, {"loss_scale_factor": loss_scale_factor}, "loss_scale_factor", (), 1.0)
+        r.raise_if_any()
+        loss_scale = LossScaleConfig(mode="static", initial_scale=factor, skip_nonfinite=False)
+        r.origins["loss_scale.mode"] = "loss_scale_factor"
+    elif loss_scale_optimizer is not None:
         inner = from_keras_loss_scale_optimizer(loss_scale_optimizer)
         loss_scale, state = inner.result, inner.state
         r.notes.extend(inner.notes)
