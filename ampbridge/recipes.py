@@ -929,22 +929,28 @@ def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], sec
     power = _power_of_two(f32(ls.initial_scale))
     if power is None or not -126 <= power <= 127:
         power = max(-126, min(127, round(math.log2(ls.initial_scale))))
+        while ls.min_scale is not None and math.ldexp(1.0, power) < ls.min_scale:
+            power += 1
         w.loss("loss_scale.initial_scale", ls.initial_scale, "DeepSpeed starts at 2**initial_scale_power; "
-               f"written as the nearest power of two, 2**{power}")
+               f"written as the nearest power of two at or above min_scale, 2**{power}")
     section["initial_scale_power"] = power
     section["loss_scale_window"] = ls.growth_interval
     section["hysteresis"] = ls.hysteresis
     section["consecutive_hysteresis"] = ls.consecutive_hysteresis
     if ls.min_scale is None:
-        w.loss("loss_scale.min_scale", None, "DeepSpeed always has a floor: min_loss_scale defaults to 1")
+        floor = min(1, _int_if_integral(math.ldexp(1.0, power)))
+        if floor != 1:
+            section["min_loss_scale"] = floor
+        w.loss("loss_scale.min_scale", None, f"DeepSpeed always has a floor: min_loss_scale = {floor}"
+               + (" (its default)" if floor == 1 else " (the initial scale, below DeepSpeed's default of 1)"))
     else:
         section["min_loss_scale"] = _int_if_integral(ls.min_scale)
-        if not float(ls.min_scale).is_integer():
-            w.note("DeepSpeed's config model (deepspeedai/DeepSpeed precision_config.py) declares min_loss_scale "
-                   "an int; a fractional floor needs an older release")
         if ls.on_min_scale != "error":
             w.loss("loss_scale.on_min_scale", ls.on_min_scale, "DeepSpeed's ZeRO loss scaler raises when an "
                    "overflow hits min_loss_scale (on_min_scale='error'); without ZeRO it clamps")
+    if not float(section.get("min_loss_scale", 1)).is_integer():
+        w.note("DeepSpeed's config model (deepspeedai/DeepSpeed precision_config.py) declares min_loss_scale an "
+               "int; a fractional floor needs an older release")
     for key, expected, text in (("growth_factor", 2.0, "x2"), ("backoff_factor", 0.5, "x0.5")):
         if f32(getattr(ls, key)) != expected:
             w.loss(f"loss_scale.{key}", getattr(ls, key), f"DeepSpeed's scale_factor is fixed: {text}")
@@ -1106,7 +1112,11 @@ def _write_grad_scaler_args(w: _Writer, p: Policy, tool: str, *, defaults_as_non
             w.loss("loss_scale.skip_nonfinite", False, "torch GradScaler always skips a step with non-finite gradients")
         return args
     if args["growth_factor"] <= 1.0:
-        w.loss("loss_scale.growth_factor", ls.growth_factor, "torch GradScaler requires growth_factor > 1")
+        args.update(growth_factor=2.0, growth_interval=2**31 - 1)
+        w.loss("loss_scale.growth_factor", ls.growth_factor, "torch GradScaler requires growth_factor > 1; written "
+               "as a scaler that never grows (growth_factor 2, growth_interval 2**31-1)")
+        w.loss("loss_scale.growth_interval", ls.growth_interval, "written as 2**31-1 so that growth_factor 2 never "
+               "applies (a growth factor of 1 cannot be written for torch)")
     _grad_scaler_losses(w, ls, f"torch GradScaler ({tool})")
     if defaults_as_none and args == _GRAD_SCALER_DEFAULTS:
         return None
@@ -1263,8 +1273,8 @@ def to_accelerate(policy: Policy) -> Conversion:
                "a lower-precision model is your own model.to(dtype)")
     if p.output_dtype != "float32":
         w.loss("output_dtype", p.output_dtype, "Accelerate converts model outputs to float32 (convert_outputs_to_fp32)")
-    if p.reduce_dtype != p.param_dtype:
-        w.loss("reduce_dtype", p.reduce_dtype, "under DDP gradients are reduced in the parameter dtype (under "
+    if p.reduce_dtype != "float32":
+        w.loss("reduce_dtype", p.reduce_dtype, "under DDP gradients are reduced in the parameter dtype, float32 (under "
                "distributed_type FSDP, Accelerate reduces them in the mixed-precision dtype)")
     kwargs = None
     if name == "fp16":
@@ -1332,11 +1342,11 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
     ls: dict[str, Any] = {"mode": "none", "skip_nonfinite": False}
     if name == "16-mixed":
         ls = _read_grad_scaler_args(r, dict(grad_scaler or {}), ("grad_scaler",), "a GradScaler's arguments")
-    if name != "16-mixed" or not grad_scaler:
-        _origins_all_loss_scale(r, f"precision {name!r}" + (" (torch GradScaler's defaults)" if name == "16-mixed" else ""))
     elif grad_scaler:
         r.problem(("grad_scaler",), f"precision={name!r} uses no GradScaler", value=dict(grad_scaler),
                   accepted="grad_scaler only with '16-mixed'")
+    if name != "16-mixed" or not grad_scaler:
+        _origins_all_loss_scale(r, f"precision {name!r}" + (" (torch GradScaler's defaults)" if name == "16-mixed" else ""))
     fields = {"compute_dtype": compute, "param_dtype": param, "output_dtype": "float32", "reduce_dtype": param}
     policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
     return r.done(policy, _ALL_BUT_MATMUL)
@@ -1519,7 +1529,7 @@ def to_keras(policy: Policy) -> Conversion:
     if p.output_dtype != p.compute_dtype:
         w.loss("output_dtype", p.output_dtype, "a Keras dtype policy has no output dtype: layers return their compute "
                "dtype; give the last layer dtype='float32' (or a final Activation('linear', dtype='float32'))")
-    if p.reduce_dtype != p.param_dtype:
+    if p.reduce_dtype != _KERAS[name][1]:
         w.loss("reduce_dtype", p.reduce_dtype, "Keras reduces gradients in the variable dtype")
     ls = p.resolved_loss_scale
     view = loss_scale_view(p.loss_scale, p.compute_dtype)
@@ -1535,6 +1545,8 @@ def to_keras(policy: Policy) -> Conversion:
         if name == "mixed_float16":
             w.loss("loss_scale.mode", view["mode"], "Model.compile() always wraps a mixed_float16 model's optimizer "
                    "in a dynamic LossScaleOptimizer")
+            if not view["skip_nonfinite"]:
+                w.loss("loss_scale.skip_nonfinite", False, "that LossScaleOptimizer skips every non-finite step")
         if view["mode"] == "static":
             factor = view["initial_scale"]
             w.note("a static scale is the inner optimizer's loss_scale_factor")
@@ -1783,6 +1795,9 @@ def to_flax(policy: Policy | LossScaleConfig) -> Conversion:
                    "gradients yourself (optax.apply_if_finite, or ampbridge.jax.optimizer)")
         return w.done(None)
     w.note(f"on a step whose gradients are not finite the caller should {skip}")
+    if not ls.skip_nonfinite:
+        w.loss("loss_scale.skip_nonfinite", False, "DynamicScale's arguments do not say whether to skip: its documented "
+               "use (jnp.where(is_fin, new, old)) skips, and applying non-finite steps anyway is your loop's choice")
     if view["mode"] == "static":
         return w.done({"growth_factor": 1.0, "backoff_factor": 1.0, "growth_interval": 2000,
                        "scale": f32(ls.initial_scale), "minimum_scale": None})
