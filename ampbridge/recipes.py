@@ -92,9 +92,9 @@ WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "
 
 #: the releases whose DynamicLossScaler growth test differs (see ``from_deepspeed``)
 DEEPSPEED_RELEASES = ("modulo", "stable_interval")
-_MODULO = "microsoft/DeepSpeed 0336518 and earlier, growth test (cur_iter - last_overflow_iter) % window == 0"
-_STABLE = ("deepspeedai/DeepSpeed 18fd4c9 and later, growth test stable_interval = cur_iter - "
-           "last_overflow_iter - 1 > 0 and stable_interval % window == 0")
+_MODULO = "microsoft/DeepSpeed 0336518 and earlier (growth test (cur_iter - last_overflow_iter) % window == 0)"
+_STABLE = ("deepspeedai/DeepSpeed 18fd4c9 and later (growth test stable_interval = cur_iter - last_overflow_iter - 1; "
+           "stable_interval > 0 and stable_interval % window == 0)")
 
 _TINY32 = math.ldexp(1.0, -126)  # float32's smallest normal number (Flax's default minimum_scale)
 
@@ -662,6 +662,7 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> t
                "ampbridge reads are the same in both")
     fields = {"compute_dtype": "float16", "param_dtype": "float16" if master16 else "float32",
               "output_dtype": "float16"}
+    r.origins.update(keep_float32="fp16.enabled (casts the whole module)", overrides="fp16.enabled (casts the whole module)")
     r.origins.update(compute_dtype="fp16.enabled", output_dtype="fp16.enabled",
                      param_dtype="fp16.fp16_master_weights_and_grads")
     static = _get_number(r, fp16, "loss_scale", p, 0.0, positive=False, what="a number >= 0 (0: dynamic)")
@@ -715,6 +716,8 @@ def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple) -> tuple[dict, dict]
     if _get_bool(r, bf16, "bf16_optimizer_states", p, False):
         r.loss(f"{p[0]}.bf16_optimizer_states", True, "ampbridge has no optimizer-state dtype")
     skip = _get_bool(r, bf16, "check_grad_overflow", p, False)
+    r.origins.update(keep_float32=f"{p[0]}.enabled (casts the whole module)",
+                     overrides=f"{p[0]}.enabled (casts the whole module)")
     r.origins.update(compute_dtype=f"{p[0]}.enabled", output_dtype=f"{p[0]}.enabled",
                      param_dtype=f"{p[0]}.bf16_master_weights_and_grads",
                      **{"loss_scale.skip_nonfinite": f"{p[0]}.check_grad_overflow"})
@@ -745,7 +748,8 @@ def _ds_autocast(r: _Reader, ac: Mapping[str, Any], stage: int) -> tuple[dict, d
                "ampbridge has one reduce_dtype for the whole model (read as float32)")
     r.note("DeepSpeed does not cast outputs under torch_autocast: they come out in the dtype of the model's "
            f"last op ({dtype} for a final Linear); read as output_dtype={dtype}")
-    r.origins.update(compute_dtype="torch_autocast.dtype", output_dtype="torch_autocast.dtype")
+    r.origins.update(compute_dtype="torch_autocast.dtype", output_dtype="torch_autocast.dtype",
+                     keep_float32="torch_autocast (no module pins)", overrides="torch_autocast (no module pins)")
     fields = {"compute_dtype": dtype, "param_dtype": "float32", "output_dtype": dtype}
     if dtype == "bfloat16":
         return fields, {"mode": "none", "skip_nonfinite": False}
@@ -1215,6 +1219,8 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
         r.loss("downcast_bf16", config.get("downcast_bf16"), "a TPU-only storage downcast ampbridge cannot express")
     fields = {"compute_dtype": compute, "param_dtype": "float32", "output_dtype": "float32", "reduce_dtype": reduce}
     r.origins.setdefault("output_dtype", "Accelerate's convert_outputs_to_fp32")
+    r.origins.update(keep_float32="mixed_precision (torch.autocast: no module pins)",
+                     overrides="mixed_precision (torch.autocast: no module pins)")
     policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
     return r.done(policy, _ALL_BUT_MATMUL)
 
@@ -1338,7 +1344,8 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
         r.note(f"precision={precision!r} is Lightning's alias of {name!r}")
     compute, param = _LIGHTNING[name]
     r.origins.update(compute_dtype="precision", param_dtype="precision",
-                     output_dtype="Fabric's convert_output (float32)")
+                     output_dtype="Fabric's convert_output (float32)", keep_float32="precision (no module pins)",
+                     overrides="precision (no module pins)")
     ls: dict[str, Any] = {"mode": "none", "skip_nonfinite": False}
     if name == "16-mixed":
         ls = _read_grad_scaler_args(r, dict(grad_scaler or {}), ("grad_scaler",), "a GradScaler's arguments")

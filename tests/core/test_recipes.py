@@ -434,3 +434,21 @@ def test_fsdp_settings_and_pinned_modules():
     assert "decoder.0.attn.norm" not in pin["paths"]
     assert c.exact
     assert recipes.to_fsdp(policy).result["pinned"][0]["paths"] is None  # without a plan: patterns only
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(recipes, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 20
+
+
+def test_recipes_import_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, ampbridge; r = ampbridge.recipes; r.load(%r); r.to_fsdp(ampbridge.preset('mixed_bfloat16')); "
+            "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'jax', 'flax', 'optax', 'deepspeed', "
+            "'accelerate', 'lightning', 'numpy') if m in sys.modules))" % str(HERE / "ds_zero2_hf_auto.json"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
