@@ -353,7 +353,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ._io import PRESETS, preset
 
     if not Path(args.policy).exists() and args.policy in PRESETS:
-        ref = recipes.Conversion(preset(args.policy), source_format="ampbridge", covers=frozenset(recipes.POLICY_FIELDS))
+        ref = recipes.Conversion(preset(args.policy), source_format="ampbridge",
+                                 covers=frozenset(recipes.POLICY_FIELDS))
     else:
         ref = _read_recipe(args.policy, None, args)
     if not isinstance(ref.result, Policy):

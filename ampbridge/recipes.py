@@ -176,7 +176,6 @@ _MISSING: Any = dataclasses.MISSING
 
 POLICY_FIELDS = ("compute_dtype", "param_dtype", "output_dtype", "reduce_dtype", "matmul_precision",
                  "keep_float32", "overrides", "loss_scale", "phases")
-_DTYPE_FIELDS = ("compute_dtype", "param_dtype", "output_dtype", "reduce_dtype")
 _ALL_BUT_MATMUL = frozenset(POLICY_FIELDS) - {"matmul_precision", "phases"}
 
 
@@ -347,8 +346,10 @@ def differences(a: Policy, b: Policy, fields: Iterable[str] = POLICY_FIELDS) -> 
 
     Example:
         >>> import ampbridge
-        >>> differences(ampbridge.preset("mixed_float16"), ampbridge.preset("float16"))
-        [('param_dtype', 'float32', 'float16'), ('output_dtype', 'float32', 'float16'), ('reduce_dtype', 'float32', 'float16')]
+        >>> for d in differences(ampbridge.preset("mixed_float16"), ampbridge.preset("float16")): print(d)
+        ('param_dtype', 'float32', 'float16')
+        ('output_dtype', 'float32', 'float16')
+        ('reduce_dtype', 'float32', 'float16')
     """
     out: list[tuple[str, Any, Any]] = []
     for name in fields:
@@ -497,7 +498,8 @@ _DS_OTHER_KNOWN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradie
                    "curriculum_learning", "seq_parallel_communication_data_type", "graph_harvesting",
                    "dataloader_drop_last", "nebula", "hybrid_engine", "compile", "use_data_before_expert_parallelism",
                    "timers", "weight_quantization", "tensor_parallel", "disable_allgather")
-_AUTO_FILLED = "the Hugging Face Trainer (and Accelerate) fill in only fp16.enabled, bf16.enabled, amp.enabled and amp.opt_level"
+_AUTO_FILLED = ("the Hugging Face Trainer (and Accelerate) fill in only fp16.enabled, bf16.enabled, amp.enabled and "
+                "amp.opt_level")
 _BATCHNORM_PINS = ("type:BatchNorm1d", "type:BatchNorm2d", "type:BatchNorm3d", "type:SyncBatchNorm")
 
 _APEX_LEVELS: dict[str, dict[str, Any]] = {
@@ -594,12 +596,12 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
     if isinstance(stage, int) and stage > 3:
         r.problem(("zero_optimization", "stage"), "must be an integer from 0 to 3", value=stage, accepted="0, 1, 2, 3")
 
-    fp16_on = _resolve_enabled(r, _get_bool(r, fp16, "enabled", ("fp16",), False, allow_auto=True),
+    fp16_on = _resolve_enabled(r, _get_bool(r, fp16, "enabled", ("fp16",), False, allow_auto=True, strings=True),
                                "fp16.enabled", trainer, "float16")
-    bf16_on = _resolve_enabled(r, _get_bool(r, bf16, "enabled", bf16_path, False, allow_auto=True),
+    bf16_on = _resolve_enabled(r, _get_bool(r, bf16, "enabled", bf16_path, False, allow_auto=True, strings=True),
                                f"{bf16_path[0]}.enabled", trainer, "bfloat16")
-    autocast_on = _get_bool(r, autocast, "enabled", ("torch_autocast",), False)
-    amp_enabled = _get_bool(r, amp, "enabled", ("amp",), False, allow_auto=True)
+    autocast_on = _get_bool(r, autocast, "enabled", ("torch_autocast",), False, strings=True)
+    amp_enabled = _get_bool(r, amp, "enabled", ("amp",), False, allow_auto=True, strings=True)
     if amp_enabled == "auto":
         r.note("amp.enabled = 'auto' read as false: the Hugging Face Trainer enables apex only with "
                "--fp16_backend apex")
@@ -612,12 +614,14 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
     mode = enabled[0] if enabled else None
     for name, section, path in (("fp16", fp16, ("fp16",)), ("bf16", bf16, bf16_path)):
         if mode != name and set(section) - {"enabled"}:
-            r.note(f"{path[0]}: {', '.join(sorted(set(section) - {'enabled'}))} have no effect: {path[0]} is not enabled")
+            unused = ", ".join(sorted(set(section) - {"enabled"}))
+            r.note(f"{path[0]}: {unused} have no effect: {path[0]} is not enabled")
 
     comm = config.get("communication_data_type")
     comm_dtype = None
     if comm is not None:
-        comm_dtype = _dtype_name(comm) if isinstance(comm, str) and comm.lower() in ("fp32", "fp16", "bf16", "bfp16") else None
+        if isinstance(comm, str) and comm.lower() in ("fp32", "fp16", "bf16", "bfp16"):
+            comm_dtype = _dtype_name(comm)
         if comm_dtype is None:
             r.problem(("communication_data_type",), "not a DeepSpeed communication data type", value=comm,
                       accepted="fp32, fp16, bf16")
@@ -636,7 +640,7 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
     elif mode == "torch_autocast":
         fields, ls = _ds_autocast(r, autocast, stage)
     elif mode == "amp":
-        fields, ls = _apex(r, amp, ("amp",), trainer)
+        fields, ls = _apex(r, amp, ("amp",))
         if stage:
             r.loss("zero_optimization.stage", stage, "DeepSpeed does not run apex amp with ZeRO")
     else:
@@ -646,7 +650,8 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
         _origins_all_loss_scale(r, "fp16.enabled (float32: no loss scaling, no overflow check)")
     default_reduce = {"fp16": "float16", "bf16": "bfloat16"}.get(mode or "", "float32")
     fields["reduce_dtype"] = comm_dtype or default_reduce
-    r.origins["reduce_dtype"] = "communication_data_type" + ("" if comm_dtype else f" (absent: {mode or 'fp32'}'s default)")
+    r.origins["reduce_dtype"] = "communication_data_type" + (
+        "" if comm_dtype else f" (absent: {mode or 'fp32'}'s default)")
     policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
     return r.done(policy, _ALL_BUT_MATMUL)
 
@@ -662,7 +667,8 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> t
                "ampbridge reads are the same in both")
     fields = {"compute_dtype": "float16", "param_dtype": "float16" if master16 else "float32",
               "output_dtype": "float16"}
-    r.origins.update(keep_float32="fp16.enabled (casts the whole module)", overrides="fp16.enabled (casts the whole module)")
+    whole = "fp16.enabled (casts the whole module)"
+    r.origins.update(keep_float32=whole, overrides=whole)
     r.origins.update(compute_dtype="fp16.enabled", output_dtype="fp16.enabled",
                      param_dtype="fp16.fp16_master_weights_and_grads")
     static = _get_number(r, fp16, "loss_scale", p, 0.0, positive=False, what="a number >= 0 (0: dynamic)")
@@ -681,7 +687,8 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> t
     consecutive = _get_bool(r, fp16, "consecutive_hysteresis", p, False)
     min_scale = _get_number(r, fp16, "min_loss_scale", p, 1.0)
     r.origins.update({"loss_scale.initial_scale": "fp16.initial_scale_power",
-                      "loss_scale.growth_interval": "fp16.loss_scale_window", "loss_scale.hysteresis": "fp16.hysteresis",
+                      "loss_scale.growth_interval": "fp16.loss_scale_window",
+                      "loss_scale.hysteresis": "fp16.hysteresis",
                       "loss_scale.consecutive_hysteresis": "fp16.consecutive_hysteresis",
                       "loss_scale.min_scale": "fp16.min_loss_scale"})
     on_min = "error"
@@ -772,7 +779,7 @@ def _apex_dtype(r: _Reader, value: Any, path: tuple) -> str | None:
     return name
 
 
-def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple, trainer: str | None) -> tuple[dict, dict]:
+def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
     level = amp.get("opt_level", "O1")
     if level == "auto":
         level = "O1"
@@ -843,8 +850,17 @@ def to_deepspeed(policy: Policy, *, via: str = "native", release: str = "stable_
         >>> c = to_deepspeed(ampbridge.preset("float16").replace(loss_scale=ampbridge.LossScaleConfig(
         ...     mode="dynamic", growth_interval=1000, hysteresis=2, min_scale=1.0, on_min_scale="error")),
         ...     release="modulo")
-        >>> c.result["fp16"], c.exact
-        ({'enabled': True, 'loss_scale': 0, 'initial_scale_power': 16, 'loss_scale_window': 1000, 'hysteresis': 2, 'consecutive_hysteresis': False, 'min_loss_scale': 1, 'fp16_master_weights_and_grads': True}, True)
+        >>> c.exact
+        True
+        >>> for key, value in c.result["fp16"].items(): print(key, value)
+        enabled True
+        loss_scale 0
+        initial_scale_power 16
+        loss_scale_window 1000
+        hysteresis 2
+        consecutive_hysteresis False
+        min_loss_scale 1
+        fp16_master_weights_and_grads True
     """
     if via not in ("native", "torch_autocast", "amp"):
         raise ValueError(f"via={via!r}; accepted: native, torch_autocast, amp")
@@ -1077,7 +1093,8 @@ def _read_grad_scaler_args(r: _Reader, kw: Mapping[str, Any], path: tuple, what:
         r.problem(path + ("backoff_factor",), "torch requires backoff_factor < 1", value=backoff,
                   accepted="a number strictly between 0 and 1")
     prefix = key_text(path) + "." if path else ""
-    r.origins.update({"loss_scale.initial_scale": prefix + "init_scale", "loss_scale.growth_factor": prefix + "growth_factor",
+    r.origins.update({"loss_scale.initial_scale": prefix + "init_scale",
+                      "loss_scale.growth_factor": prefix + "growth_factor",
                       "loss_scale.backoff_factor": prefix + "backoff_factor",
                       "loss_scale.growth_interval": prefix + "growth_interval", "loss_scale.mode": prefix + "enabled"})
     if not enabled:
@@ -1190,7 +1207,8 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
             "in Accelerate, or convert a bf16 variant of it (mixed_precision: bf16)")
     dist = config.get("distributed_type", "NO")
     if not isinstance(dist, str):
-        r.problem(("distributed_type",), "must be a string", value=dist, accepted="NO, MULTI_GPU, FSDP, DEEPSPEED, XLA, ...")
+        r.problem(("distributed_type",), "must be a string", value=dist,
+                  accepted="NO, MULTI_GPU, FSDP, DEEPSPEED, XLA, ...")
         dist = "NO"
     dist = dist.upper()
     compute = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}[raw]
@@ -1353,7 +1371,8 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
         r.problem(("grad_scaler",), f"precision={name!r} uses no GradScaler", value=dict(grad_scaler),
                   accepted="grad_scaler only with '16-mixed'")
     if name != "16-mixed" or not grad_scaler:
-        _origins_all_loss_scale(r, f"precision {name!r}" + (" (torch GradScaler's defaults)" if name == "16-mixed" else ""))
+        defaults = " (torch GradScaler's defaults)" if name == "16-mixed" else ""
+        _origins_all_loss_scale(r, f"precision {name!r}{defaults}")
     fields = {"compute_dtype": compute, "param_dtype": param, "output_dtype": "float32", "reduce_dtype": param}
     policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
     return r.done(policy, _ALL_BUT_MATMUL)
@@ -1438,7 +1457,8 @@ def from_keras_loss_scale_optimizer(config: Mapping[str, Any]) -> Conversion:
                       "optimizer)", value=config[key], accepted=repr(default))
     init = _get_number(r, config, "initial_scale", (), 2.0**15)
     steps = _get_int(r, config, "dynamic_growth_steps", (), 2000, low=1, what="an integer >= 1")
-    r.origins.update({"loss_scale.initial_scale": "initial_scale", "loss_scale.growth_interval": "dynamic_growth_steps"})
+    r.origins.update({"loss_scale.initial_scale": "initial_scale",
+                      "loss_scale.growth_interval": "dynamic_growth_steps"})
     r.note(_KERAS_NOTE_INF)
     cfg = _construct(r, lambda: LossScaleConfig(mode="dynamic", initial_scale=init, growth_interval=steps))
     return r.done(cfg, ("loss_scale",))
@@ -1803,8 +1823,8 @@ def to_flax(policy: Policy | LossScaleConfig) -> Conversion:
         return w.done(None)
     w.note(f"on a step whose gradients are not finite the caller should {skip}")
     if not ls.skip_nonfinite:
-        w.loss("loss_scale.skip_nonfinite", False, "DynamicScale's arguments do not say whether to skip: its documented "
-               "use (jnp.where(is_fin, new, old)) skips, and applying non-finite steps anyway is your loop's choice")
+        w.loss("loss_scale.skip_nonfinite", False, "DynamicScale's arguments do not say whether to skip: its "
+               "documented use (jnp.where(is_fin, new, old)) skips; applying non-finite steps is your loop's choice")
     if view["mode"] == "static":
         return w.done({"growth_factor": 1.0, "backoff_factor": 1.0, "growth_interval": 2000,
                        "scale": f32(ls.initial_scale), "minimum_scale": None})
