@@ -668,7 +668,9 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> t
     fields = {"compute_dtype": "float16", "param_dtype": "float16" if master16 else "float32",
               "output_dtype": "float16"}
     whole = "fp16.enabled (casts the whole module)"
-    r.origins.update(keep_float32=whole, overrides=whole)
+    r.origins.update(keep_float32=whole, overrides=whole, **{
+        "loss_scale.mode": "fp16.loss_scale (0: dynamic)",
+        "loss_scale.skip_nonfinite": "fp16.enabled (DeepSpeed skips every overflowing fp16 step)"})
     r.origins.update(compute_dtype="fp16.enabled", output_dtype="fp16.enabled",
                      param_dtype="fp16.fp16_master_weights_and_grads")
     static = _get_number(r, fp16, "loss_scale", p, 0.0, positive=False, what="a number >= 0 (0: dynamic)")
@@ -724,7 +726,8 @@ def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple) -> tuple[dict, dict]
         r.loss(f"{p[0]}.bf16_optimizer_states", True, "ampbridge has no optimizer-state dtype")
     skip = _get_bool(r, bf16, "check_grad_overflow", p, False)
     r.origins.update(keep_float32=f"{p[0]}.enabled (casts the whole module)",
-                     overrides=f"{p[0]}.enabled (casts the whole module)")
+                     overrides=f"{p[0]}.enabled (casts the whole module)",
+                     **{"loss_scale.mode": f"{p[0]}.enabled (no loss scaling in bf16)"})
     r.origins.update(compute_dtype=f"{p[0]}.enabled", output_dtype=f"{p[0]}.enabled",
                      param_dtype=f"{p[0]}.bf16_master_weights_and_grads",
                      **{"loss_scale.skip_nonfinite": f"{p[0]}.check_grad_overflow"})
