@@ -244,42 +244,29 @@ def _auto_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _read_options(args: argparse.Namespace, fmt: str | None) -> dict[str, Any]:
-    """The reading options the command line gives, for the formats that take them."""
-    from .recipes import _READ_OPTIONS
-
-    given = {"auto": getattr(args, "auto", None), "release": getattr(args, "deepspeed_release", None),
-             "half": getattr(args, "jmp_half", None)}
-    wanted = _READ_OPTIONS.get(fmt or "", ("auto", "release", "half"))
-    return {k: v for k, v in given.items() if v is not None and k in wanted}
-
-
 def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: Any) -> Any:
-    """A file, a ``FORMAT:VALUE``, or a bare precision name -> its Conversion."""
+    """A file, a ``FORMAT:VALUE`` (the value a file or a name), or a bare precision name -> its Conversion."""
     from . import recipes
 
+    head, sep, rest = spec.partition(":")
+    if sep and head in recipes.READ_FORMATS and fmt in (None, head) and not Path(spec).exists():
+        fmt, spec = head, rest
     path = Path(spec)
-    if not path.exists():
-        head, sep, rest = spec.partition(":")
-        if sep and head in recipes.READ_FORMATS and fmt is None:
-            fmt, spec = head, rest
-        elif path.suffix.lower() in _POLICY_SUFFIXES or "/" in spec or os.sep in spec:
-            raise PolicyError([Problem("no such file", file=spec)])
-    if path.exists() and path.is_file():
-        detected = fmt
-        if detected is None:
-            try:  # detect first so only the options that format takes are passed
-                detected = recipes.load(path).source_format
-            except PolicyError:
-                detected = None
-        options = {**_read_options(args, detected), **extra}
-        if detected not in ("deepspeed", "accelerate"):
-            options.pop("auto", None)
-        return recipes.load(path, fmt, **options)
-    detected = fmt or recipes.detect(recipes._parse_text(spec, "", None)[0], source=spec)
-    options = {k: v for k, v in {**_read_options(args, detected), **extra}.items()
-               if k in recipes._READ_OPTIONS.get(detected, ())}
-    return recipes.loads(spec, detected, source=None, **options)
+    is_file = path.is_file()
+    if not is_file and (path.suffix.lower() in _POLICY_SUFFIXES or "/" in spec or os.sep in spec):
+        raise PolicyError([Problem("no such file", file=spec)])
+    given = {"auto": getattr(args, "auto", None), "release": getattr(args, "deepspeed_release", None),
+             "half": getattr(args, "jmp_half", None)}
+    given.update(extra)
+    if is_file:
+        detected = fmt or recipes.load(path).source_format  # detect first: pass only the options it takes
+    else:
+        detected = fmt or recipes.detect(recipes._parse_text(spec, "", None)[0], source=spec)
+    takes = recipes._READ_OPTIONS.get(detected, ())
+    options = {k: v for k, v in given.items() if v is not None and k in takes}
+    if is_file:
+        return recipes.load(path, detected, **options)
+    return recipes.loads(spec, detected, **options)
 
 
 def _render_result(result: Any, fmt: str, conversion: Any) -> str:

@@ -1166,7 +1166,8 @@ _ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 
 
 def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[str, Any] | None = None,
-                    source: str | None = None, base_dir: str | os.PathLike[str] | None = None,
+                    release: str = "stable_interval", source: str | None = None,
+                    base_dir: str | os.PathLike[str] | None = None,
                     _locate: Callable[[tuple], int | None] | None = None) -> Conversion:
     """An Accelerate config (``accelerate config``'s YAML, parsed) -> Policy.
 
@@ -1176,7 +1177,7 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     code, not in the YAML). Under ``distributed_type: FSDP`` gradients are reduced in the mixed
     dtype (Accelerate's ``MixedPrecision(param_dtype=d, reduce_dtype=d, buffer_dtype=d)``); under
     ``DEEPSPEED`` the precision is DeepSpeed's (its ``deepspeed_config_file`` is read when
-    ``base_dir`` locates it). ``mixed_precision: no`` unquoted is YAML 1.1's ``false`` and reads
+    ``base_dir`` locates it; ``release`` as in :func:`from_deepspeed`). ``mixed_precision: no`` unquoted is YAML 1.1's ``false`` and reads
     as ``"no"``; ``fp8`` raises :class:`~ampbridge.UnsupportedOptionError`.
 
     Example:
@@ -1217,7 +1218,7 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     compute = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}[raw]
     kwargs = dict(grad_scaler_kwargs or {})
     if dist == "DEEPSPEED":
-        return _accelerate_deepspeed(r, config, raw, base_dir)
+        return _accelerate_deepspeed(r, config, raw, base_dir, release)
     if kwargs and raw != "fp16":
         r.note(f"grad_scaler_kwargs have no effect with mixed_precision={raw!r}: Accelerate builds a GradScaler "
                "only for fp16")
@@ -1247,7 +1248,7 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
 
 
 def _accelerate_deepspeed(r: _Reader, config: Mapping[str, Any], precision: str,
-                          base_dir: str | os.PathLike[str] | None) -> Conversion:
+                          base_dir: str | os.PathLike[str] | None, release: str) -> Conversion:
     ds_section = r.section(config, "deepspeed_config") or {}
     file = ds_section.get("deepspeed_config_file")
     r.raise_if_any()
@@ -1259,7 +1260,7 @@ def _accelerate_deepspeed(r: _Reader, config: Mapping[str, Any], precision: str,
                                        key="deepspeed_config.deepspeed_config_file", file=r.source, value=file,
                                        hint="read the DeepSpeed file itself with from_deepspeed(..., auto='"
                                        + precision + "')")])
-        inner = load(path, format="deepspeed", auto=auto)
+        inner = load(path, format="deepspeed", auto=auto, release=release)
         notes = (f"distributed_type DEEPSPEED: the precision is DeepSpeed's, read from {file} with its 'auto' "
                  f"values filled from mixed_precision={precision!r}",) + inner.notes
     else:
@@ -1269,7 +1270,7 @@ def _accelerate_deepspeed(r: _Reader, config: Mapping[str, Any], precision: str,
             ds["fp16"] = {"enabled": True, "auto_cast": True}
         elif precision == "bf16":
             ds["bf16"] = {"enabled": True}
-        inner = from_deepspeed(ds, source=r.source)
+        inner = from_deepspeed(ds, source=r.source, release=release)
         notes = ("distributed_type DEEPSPEED without a deepspeed_config_file: read as the DeepSpeed config "
                  f"Accelerate's DeepSpeedPlugin builds ({json.dumps(ds)}), DeepSpeed's defaults filling the rest",) \
             + inner.notes
@@ -1941,7 +1942,7 @@ def _fsdp_paths(plan: Any, root: dict, pinned: list[dict]) -> None:
 # --- reading files and text; detecting the format -------------------------------------------------
 
 _READ_OPTIONS: dict[str, tuple[str, ...]] = {
-    "ampbridge": (), "deepspeed": ("auto", "release"), "accelerate": ("grad_scaler_kwargs", "base_dir"),
+    "ampbridge": (), "deepspeed": ("auto", "release"), "accelerate": ("grad_scaler_kwargs", "base_dir", "release"),
     "lightning": ("grad_scaler",), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
     "flax": (),
 }

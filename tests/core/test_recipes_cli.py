@@ -127,3 +127,14 @@ def test_cli_leaves_frameworks_out():
             "if m in sys.modules))" % (str(HERE / "accelerate_fp16.yaml"), str(HERE / "ds_fp16_dynamic.json")))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_check_with_auto_and_format_prefixes(capsys):
+    # --auto reaches only the formats that take it; FORMAT:FILE names the format of a file
+    code, out, err = run(capsys, "check", "mixed_bfloat16", "--auto", "bf16", "--against",
+                         HERE / "accelerate_fsdp_bf16.yaml", f"deepspeed:{HERE / 'ds_zero2_hf_auto.json'}",
+                         "lightning:bf16-mixed")
+    assert code == 1 and "Traceback" not in err
+    assert "(deepspeed): 3 disagreements" in out and "compute_dtype" not in out
+    code, out, err = run(capsys, "check", "mixed_float16", "--against", f"deepspeed:{HERE / 'ds_zero2_hf_auto.json'}")
+    assert code == 1 and "'auto' filled with float16" in err  # no trainer given: the policy's own dtype
