@@ -1201,6 +1201,8 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
         r.note("mixed_precision: no (unquoted) is YAML 1.1's false; read as 'no', as Accelerate means it")
     if raw not in _ACCELERATE_PRECISIONS:
         hint = did_you_mean(str(raw), _ACCELERATE_PRECISIONS)
+        if isinstance(raw, str) and raw.lower() in _ACCELERATE_PRECISIONS:
+            hint = f"Accelerate spells it in lower case: {raw.lower()!r}"
         r.problem(("mixed_precision",), "not an Accelerate mixed_precision", value=raw,
                   accepted=", ".join(_ACCELERATE_PRECISIONS), hint=hint)
         r.raise_if_any()
@@ -2141,6 +2143,8 @@ def loads(text: str, format: str | None = None, *, source: str | None = None, su
     """
     from . import _io
 
+    if not text.strip():
+        raise PolicyError([Problem("empty: no settings to read", file=source)])
     data, locate, kind = _parse_text(text, suffix, source)
     if kind == "toml":
         if format not in (None, "ampbridge"):
