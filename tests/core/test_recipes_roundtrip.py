@@ -268,3 +268,40 @@ def test_nothing_is_dropped_silently(p, fmt):
         fields = {"loss_scale"}
     for field, mine, theirs in recipes.differences(p, result, fields):
         assert named(field, out.losses), f"{fmt}: {field} {mine!r} -> {theirs!r} changed with no loss: {out.losses}"
+
+
+# --- fuzzing the readers: whatever the input, a Conversion or a clear error ------------------------------
+
+FUZZ_KEYS = sorted(set(recipes._DS_FP16_KEYS + recipes._DS_BF16_KEYS + recipes._DS_AUTOCAST_KEYS + recipes._APEX_KEYS
+                       + recipes._DS_READ + ("mixed_precision", "distributed_type", "deepspeed_config", "fp16",
+                                             "initial_scale", "dynamic_growth_steps", "stage", "zero_stage")
+                       + recipes._GRAD_SCALER_ARGS + recipes._GRAD_SCALER_STATE + recipes._FLAX_KEYS))
+FUZZ_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3000), st.floats(allow_nan=True),
+                         st.sampled_from(["auto", "fp16", "bf16", "no", "O2", "O9", "bfloat16", "torch.float16",
+                                          "FSDP", "DEEPSPEED", "dynamic", "", "x"]))
+FUZZ_VALUES = st.recursive(FUZZ_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(FUZZ_KEYS), inner, max_size=4)), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(FUZZ_KEYS), FUZZ_VALUES, max_size=6),
+       st.sampled_from(["deepspeed", "accelerate", "keras", "grad-scaler", "flax", None]))
+def test_readers_give_a_conversion_or_a_clear_error(data, fmt):
+    try:
+        out = recipes.read(data, fmt or recipes.detect(data))
+    except (PolicyError, UnsupportedOptionError) as e:
+        assert str(e)
+        return
+    assert isinstance(out.result, (Policy, LossScaleConfig))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.text(max_size=12), st.integers(-5, 100), st.booleans()),
+       st.sampled_from(["lightning", "keras", "jmp", None]))
+def test_name_readers_give_a_policy_or_a_clear_error(name, fmt):
+    try:
+        out = recipes.read(name, fmt or recipes.detect(name))
+    except (PolicyError, UnsupportedOptionError) as e:
+        assert str(e)
+        return
+    assert isinstance(out.result, Policy)
