@@ -431,9 +431,10 @@ def _policy_of(obj: Policy | LossScaleConfig, what: str) -> Policy:
 def _require_concrete(policy: Policy, tool: str) -> None:
     if policy.compute_dtype == "auto":
         raise UnsupportedOptionError(
-            f"compute_dtype='auto' cannot be written for {tool}: 'auto' is resolved by an ampbridge backend "
-            "on a device, and a recipe needs a concrete dtype. Write policy.replace(compute_dtype='bfloat16') "
-            "(or 'float16', 'float32') first.")
+            f"compute_dtype='auto' cannot be written for {tool}: 'auto' is resolved on a device, and a recipe "
+            "needs a concrete dtype. Resolve it for the device the recipe targets first (ampbridge._hardware."
+            "resolve_auto(policy, Device('cuda', capability=(8, 0))) picks bfloat16), or write "
+            "policy.replace(compute_dtype='bfloat16') (or 'float16', 'float32').")
 
 
 def _power_of_two(x: float) -> int | None:
