@@ -796,7 +796,7 @@ def _own_variables(module: Any) -> list[Any]:
         if isinstance(value, nnx.Param):
             out.append(value)
         elif isinstance(value, nnx.Module):
-            if not top and callable(getattr(type(value), "__call__", None)) and _is_callable_module(value):
+            if not top and _is_callable_module(value):
                 return
             for child in vars(value).values():
                 walk(child, False)
@@ -812,9 +812,8 @@ def _own_variables(module: Any) -> list[Any]:
 
 
 def _is_callable_module(module: Any) -> bool:
-    nnx = _nnx()
-    call = getattr(type(module), "__call__", None)
-    return call is not None and call is not getattr(nnx.Module, "__call__", None)
+    # look in the class dicts: getattr(cls, "__call__") would find the metaclass's
+    return any("__call__" in vars(cls) for cls in type(module).__mro__ if cls is not object)
 
 
 def _nnx_subclass(cls: type) -> type:
@@ -826,7 +825,7 @@ def _nnx_subclass(cls: type) -> type:
         original_call = cls.__call__
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            compute_name, output_name, final_name, precision = self._ampbridge_row
+            compute_name, output_name, final_name, precision, scope = self._ampbridge_row
             compute = _DTYPES[compute_name]
             args, kwargs = _cast_tree((args, kwargs), compute)
             own = [v for v in _own_variables(self) if _is_float_array(v.get_value())
@@ -835,7 +834,8 @@ def _nnx_subclass(cls: type) -> type:
             for var, value in zip(own, stored):
                 var.set_value(value.astype(compute))  # traced: gradients flow to the stored value
             try:
-                with jax.default_matmul_precision(precision):
+                # the module's name in the trace (as linen's named calls give), for profiles and tests
+                with jax.default_matmul_precision(precision), jax.named_scope(scope):
                     out = original_call(self, *args, **kwargs)
             finally:
                 for var, value in zip(own, stored):
@@ -872,6 +872,7 @@ def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
         if _is_float_array(value):
             var.set_value(value.astype(jnp.float32))
     precision = MATMUL_PRECISION[policy.matmul_precision]
+    callable_paths = [p for p, m in instances.items() if _is_callable_module(m)]
     for path, sub in instances.items():
         row = plan_[path]
         for name, value in (("dtype", _DTYPES[row.compute_dtype]), ("param_dtype", _DTYPES[row.param_dtype])):
@@ -879,7 +880,11 @@ def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
                 setattr(sub, name, value)
         if _is_callable_module(sub):
             final = policy.output_dtype if path == "" else None
-            object.__setattr__(sub, "_ampbridge_row", (row.compute_dtype, row.output_dtype, final, precision))
+            caller = max((p for p in callable_paths if p != path and (p == "" or path.startswith(p + "."))),
+                         key=len, default=None)
+            scope = _class_name(sub) if path == "" else path[len(caller) + 1:] if caller else path
+            object.__setattr__(sub, "_ampbridge_row",
+                               (row.compute_dtype, row.output_dtype, final, precision, scope))
             original = getattr(type(sub), "_ampbridge_original", type(sub))
             sub.__class__ = _nnx_subclass(original)
     return model
