@@ -83,21 +83,22 @@ def test_thirty_steps_equal_jmp_bit_for_bit(case, demo, bits_equal):
     tx, amp_step = ampbridge_step(model, loss_fn, policy, inner)
     ref_step = jax.jit(jmp_step(model, loss_fn, jmp.get_policy(jmp_name), inner))
     amp_step = jax.jit(amp_step)
-    params_a, state_a = variables["params"], tx.init(variables["params"])
-    params_j, state_j, scale_j = variables["params"], inner.init(variables["params"]), make_scale()
-    skipped = 0
+    params_a, state_a = variables["params"], jax.jit(tx.init)(variables["params"])
+    params_j, state_j, scale_j = variables["params"], jax.jit(inner.init)(variables["params"]), make_scale()
+    losses = []
     for i, (x, y) in enumerate(batches):
         params_a, state_a, loss_a = amp_step(params_a, state_a, x, y)
         params_j, state_j, scale_j, loss_j = ref_step(params_j, state_j, scale_j, x, y)
         assert bits_equal(params_a, params_j), f"parameters differ after step {i}"
         assert bits_equal(loss_a, loss_j)
+        losses.append(float(loss_a))
         if isinstance(scale_j, jmp.DynamicLossScale):
             assert float(abj.loss_scale(state_a).scale) == float(scale_j.loss_scale), i
     assert bits_equal(state_a.inner_state, state_j)
     skipped = int(abj.loss_scale(state_a).skipped)
     if case == "float16-dynamic":
         assert 3 <= skipped <= 25, "the run should overflow now and then (so skips are compared too)"
-    assert float(loss_a) < float(loss_fn(jax.jit(model.apply)(variables, batches[0][0]), batches[0][1]))
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])  # and it trains
 
 
 def test_the_jitted_train_step_has_no_host_callbacks(demo, inspect):
