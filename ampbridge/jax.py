@@ -79,6 +79,7 @@ __all__ = [
     "cast_to_param",
     "check",
     "dtype",
+    "enter_phase",
     "initial_loss_scale",
     "loss_scale",
     "next_loss_scale",
@@ -433,8 +434,6 @@ def _linen_chain(module: Any) -> tuple[tuple[str, str | None, str], ...]:
     while isinstance(m, nn.Module):
         chain.append((_linen_path(m), _kind_of(m, "linen"), _class_name(m)))
         m = m.parent
-    if not chain or chain[-1][0] != "":
-        pass  # a module called outside its root (rare); its own row still resolves
     return tuple(reversed(chain))
 
 
@@ -545,7 +544,7 @@ class Applied:
     """
 
     def __init__(self, module: Any, policy: Policy | str, *, _phase: tuple | None = None,
-                 _schedule: Policy | None = None, _notes: tuple[str, ...] = ()):
+                 _schedule: Policy | None = None, _notes: tuple[str, ...] = (), _known: dict | None = None):
         nn = _linen()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ampbridge.jax.Applied needs a flax.linen.Module; received {type(module).__name__}")
@@ -559,7 +558,8 @@ class Applied:
         self.policy = _phase_policy(schedule, *(_phase or (None, None)))  # the phase in force
         self.notes = notes
         self._resolver = _Resolver(self.policy)
-        self._known: dict[str, tuple[str | None, str, Any]] = {}
+        # path -> (kind, class, instance), learnt while tracing; shared by the phases of one model
+        self._known: dict[str, tuple[str | None, str, Any]] = {} if _known is None else _known
         self._lock = threading.Lock()
         self._phases: dict[int | None, Applied] = {}
 
@@ -575,7 +575,7 @@ class Applied:
             hit = self._phases.get(index)
         if hit is None:
             hit = Applied(self.module, self.schedule, _phase=(step, epoch), _schedule=self.schedule,
-                          _notes=self.notes)
+                          _notes=self.notes, _known=self._known)
             with self._lock:
                 self._phases[index] = hit
         return hit
@@ -683,16 +683,26 @@ class Applied:
 
         return walk(params, ())
 
-    def cast_params(self, variables: Any) -> Any:
+    def cast_params(self, variables: Any, *example_inputs: Any, **kwargs: Any) -> Any:
         """Variables with every parameter in its row's ``param_dtype`` and mutable state float32.
 
-        Use it on a float32 checkpoint, or at a phase boundary where ``param_dtype`` changes.
+        Use it on a float32 checkpoint, or at a phase boundary where ``param_dtype`` changes. The
+        module tree is known once ``init``/``apply``/``plan`` ran; otherwise pass example inputs
+        (traced, not computed) when the policy has ``kind:``/``type:`` rules.
         """
         if not isinstance(variables, Mapping):
             return variables
         out = dict(_state_to_float32(variables))
         if "params" in variables:
             params = variables["params"]
+            unknown = [p for p in _param_paths(params) if p not in self._known]
+            if unknown and example_inputs:
+                self._ensure_known(variables, example_inputs, kwargs)
+            elif unknown and _needs_classes(self.policy):
+                raise ValueError(
+                    f"cast_params: the module tree is not known yet (e.g. {unknown[0]!r}), and this policy's "
+                    "kind:/type: rules need it; call init/apply/plan first or pass example inputs: "
+                    "amp.cast_params(variables, x)")
             rows = self._rows_for_paths(_param_paths(params))
             out["params"] = self._cast_by_row(params, rows, "param_dtype")
         return type(variables)(out) if type(variables) is not dict and _is_frozen(variables) else out
@@ -702,7 +712,11 @@ class Applied:
              **kwargs: Any) -> Plan:
         """The Plan of this module under the phase in force (``example_inputs`` as for ``init``)."""
         return _linen_plan(self.module, self.policy, example_inputs, rngs=rngs, method=method, warn=warn,
-                           notes=self.notes, **kwargs)
+                           notes=self.notes, known=self._known, **kwargs)
+
+
+def _needs_classes(policy: Policy) -> bool:
+    return any(m.startswith(("kind:", "type:")) for _, rule in policy.rules for m in rule.match)
 
 
 def _is_frozen(variables: Any) -> bool:
@@ -714,7 +728,8 @@ def _is_frozen(variables: Any) -> bool:
 
 
 def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any = None,
-                method: Any = None, warn: bool = True, notes: tuple[str, ...] = (), **kwargs: Any) -> Plan:
+                method: Any = None, warn: bool = True, notes: tuple[str, ...] = (), known: dict | None = None,
+                **kwargs: Any) -> Plan:
     nn = _linen()
     if not example_inputs and not kwargs:
         raise TypeError("a flax.linen module's layers are only known once it runs: pass example "
@@ -729,6 +744,9 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
             return module.init(rngs, *example_inputs, method=method, **kwargs)
 
     variables = jax.eval_shape(run)
+    if known is not None:
+        for path, entry in record.items():
+            known.setdefault(path, entry)
     counts = _own_param_counts(variables.get("params", {}))
     layers = [Layer(path, kind, cls, counts.get(path, 0)) for path, (kind, cls, _) in record.items()]
     instances = {path: inst for path, (_, _, inst) in record.items()}
@@ -1340,5 +1358,185 @@ def reset_loss_scale(opt_state: Any, policy: Policy | LossScaleConfig | str) -> 
     return jax.tree_util.tree_map(swap, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
 
 
-class Schedule:  # filled in by the phase-schedule work (issue 9)
-    """Placeholder; see the phase support below."""
+def _loss_scale_configs(policy: Policy) -> Any:
+    return _phase_policy(policy).resolved_loss_scale
+
+
+def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConfig | None = None, *,
+                reset: bool = False) -> Any:
+    """The optimizer state with its loss-scale state moved into a new phase (the core's rule,
+    ``ampbridge._loss_scale.enter_phase``: carry, or start fresh on ``reset`` or a mode change).
+
+    Runs on the host (it reads the state once); the inner optimizer state is left as it is.
+    """
+    from ._loss_scale import enter_phase as reference_enter_phase
+
+    def move(x: Any) -> Any:
+        if not isinstance(x, AmpState):
+            return x
+        ls = x.loss_scale
+        before = ls.to_reference()
+        after = reference_enter_phase(config, before, previous=previous, reset=reset)
+        hits = int(ls.min_scale_hits) if after is before else 0
+        return x._replace(loss_scale=LossScaleState.from_reference(after, hits))
+
+    return jax.tree_util.tree_map(move, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
+
+
+class Schedule:
+    """A precision schedule (``[[phase]]``) for a linen model: one jitted train step per phase.
+
+    Write the train step once, for any phase::
+
+        def train_step(amp, tx, params, opt_state, x, y):
+            def loss_fn(p):
+                return ampbridge.jax.scale_loss(cross_entropy(amp.apply({"params": p}, x), y), opt_state)
+            grads = jax.grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        schedule = ampbridge.jax.Schedule(module, policy, optax.adam(1e-3), train_step)
+        params, opt_state = schedule.init(jax.random.key(0), x)
+        for epoch in range(epochs):
+            for x, y in batches:
+                params, opt_state = schedule(params, opt_state, x, y, epoch=epoch)
+
+    ``amp`` and ``tx`` are the phase's :class:`Applied` model and :func:`optimizer`. Each phase's
+    step is traced and compiled once and cached (``traces`` counts them). At a phase boundary
+    the parameters are re-cast to the new phase's ``param_dtype`` rows and the loss-scale state
+    moves on by the core's rule (:func:`enter_phase`: carried over, or fresh on ``reset = true`` or
+    a loss-scale mode change); the inner optimizer state (Adam's moments, its count) carries over
+    untouched. ``params`` may be the ``params`` collection or the whole variables dict.
+
+    The schedule follows one run: it remembers the phase of the state it last returned. After
+    restoring a checkpoint, call ``resume(epoch=...)`` (or ``step=``) before the next step.
+    """
+
+    def __init__(self, module: Any, policy: Policy | str, inner: Any, train_step: Callable[..., Any], *,
+                 host_callback: bool = False, **jit_kwargs: Any):
+        self.amp = apply(module, policy)
+        if not isinstance(self.amp, Applied):
+            raise TypeError("ampbridge.jax.Schedule drives flax.linen modules; for flax.nnx apply the "
+                            "phase's policy with ampbridge.jax.apply(model, policy.at(epoch=...))")
+        self.policy = self.amp.schedule
+        self.inner = inner
+        self.train_step = train_step
+        self.host_callback = host_callback
+        self.jit_kwargs = jit_kwargs
+        self.traces: dict[int | None, int] = {}
+        self.phase: int | None | str = "unset"
+        self._steps: dict[int | None, Callable] = {}
+        self._txs: dict[int | None, Any] = {}
+        self._models: dict[int | None, Applied] = {}
+        self._lock = threading.Lock()
+
+    # -- phases --
+    def key(self, *, step: int | None = None, epoch: int | None = None) -> int | None:
+        """The phase index in force (None: past a closed last phase, the top-level settings)."""
+        if not self.policy.phases:
+            return 0
+        return self.policy.phase_index(step=step, epoch=epoch)
+
+    def _policy_of(self, key: int | None) -> Policy:
+        if not self.policy.phases:
+            return self.policy
+        if key is None:
+            return dataclasses.replace(self.policy, phases=())
+        return self.policy.phases[key].policy
+
+    def _at(self, key: int | None) -> tuple[Applied, Any]:
+        with self._lock:
+            if key in self._txs:
+                return self._models[key], self._txs[key]
+        model = self.amp if not self.policy.phases else self._model_for(key)
+        tx = optimizer(self.inner, self._policy_of(key), host_callback=self.host_callback)
+        with self._lock:
+            self._txs.setdefault(key, tx)
+            self._models.setdefault(key, model)
+            return self._models[key], self._txs[key]
+
+    def _model_for(self, key: int | None) -> Applied:
+        policy = self._policy_of(key)
+        return Applied(self.amp.module, policy, _phase=(None, None), _schedule=policy, _notes=self.amp.notes,
+                       _known=self.amp._known)
+
+    def model(self, *, step: int | None = None, epoch: int | None = None) -> Applied:
+        """The :class:`Applied` model of the phase in force."""
+        return self._at(self.key(step=step, epoch=epoch))[0]
+
+    def optimizer(self, *, step: int | None = None, epoch: int | None = None) -> Any:
+        """The loss-scaling optimizer of the phase in force."""
+        return self._at(self.key(step=step, epoch=epoch))[1]
+
+    def plan(self, *example_inputs: Any, step: int | None = None, epoch: int | None = None, **kw: Any) -> Plan:
+        return self.model(step=step, epoch=epoch).plan(*example_inputs, **kw)
+
+    # -- state --
+    def init(self, rngs: Any, *example_inputs: Any, step: int | None = None, epoch: int | None = None,
+             collections: bool = False, **kwargs: Any) -> tuple[Any, Any]:
+        """``(params, opt_state)`` for the phase in force (``collections=True``: all variables)."""
+        if step is None and epoch is None:
+            step, epoch = 0, 0
+        key = self.key(step=step, epoch=epoch)
+        model, tx = self._at(key)
+        variables = jax.jit(functools.partial(model.init, **kwargs))(rngs, *example_inputs)
+        params = variables if collections else variables["params"]
+        opt_state = jax.jit(tx.init)(variables["params"])
+        self.phase = key
+        return params, opt_state
+
+    def resume(self, *, step: int | None = None, epoch: int | None = None) -> None:
+        """Declare the phase of a restored state (no conversion happens)."""
+        self.phase = self.key(step=step, epoch=epoch)
+
+    def _recast(self, model: Applied, params: Any) -> Any:
+        if isinstance(params, Mapping) and "params" in params:
+            return model.cast_params(params)
+        return model.cast_params({"params": params})["params"]
+
+    def enter(self, params: Any, opt_state: Any, *, step: int | None = None,
+              epoch: int | None = None) -> tuple[Any, Any]:
+        """Move ``(params, opt_state)`` into the phase in force (a no-op inside a phase)."""
+        key = self.key(step=step, epoch=epoch)
+        if self.phase == "unset":
+            self.phase = key
+        if key == self.phase:
+            return params, opt_state
+        order = list(range(len(self.policy.phases))) + [None]
+        path = [key]
+        if self.phase in order and key in order and order.index(key) > order.index(self.phase):
+            path = order[order.index(self.phase) + 1:order.index(key) + 1]
+        previous = _loss_scale_configs(self._policy_of(self.phase))
+        for k in path:
+            cfg = _loss_scale_configs(self._policy_of(k))
+            reset = k is not None and self.policy.phases[k].reset_loss_scale
+            opt_state = enter_phase(opt_state, cfg, previous, reset=reset)
+            previous = cfg
+        params = self._recast(self._at(key)[0], params)
+        self.phase = key
+        return params, opt_state
+
+    # -- the steps --
+    def step_fn(self, *, step: int | None = None, epoch: int | None = None) -> Callable:
+        """The jitted train step of the phase in force (traced once per phase, then cached)."""
+        key = self.key(step=step, epoch=epoch)
+        with self._lock:
+            hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        model, tx = self._at(key)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            self.traces[key] = self.traces.get(key, 0) + 1  # runs only while tracing
+            return self.train_step(model, tx, *args, **kwargs)
+
+        fn = jax.jit(traced, **self.jit_kwargs)
+        with self._lock:
+            self._steps.setdefault(key, fn)
+            return self._steps[key]
+
+    def __call__(self, params: Any, opt_state: Any, *args: Any, step: int | None = None,
+                 epoch: int | None = None, **kwargs: Any) -> Any:
+        """``enter`` the phase in force, then run its jitted step."""
+        params, opt_state = self.enter(params, opt_state, step=step, epoch=epoch)
+        return self.step_fn(step=step, epoch=epoch)(params, opt_state, *args, **kwargs)
