@@ -281,18 +281,13 @@ def cast(tree: Any, policy: Policy | str | Any, to: str = "compute", *,
         policy = resolve_policy(policy, warn=False)[0]
     if not plan:
         return _cast_tree(tree, dtype(getattr(policy, roles[to])))
-    if plan is True:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = build_plan(_tree_layers(tree), policy, framework=FRAMEWORK, warn=False)
-    if to == "output":
-        role = "output_dtype"
-    else:
-        role = roles[to]
+    if plan is True:  # kind:/type: rules cannot match a bare tree; no unmatched-rule warnings
+        plan = build_plan(_tree_layers(tree), policy, framework=FRAMEWORK, warn=False)
+    role = roles[to]
 
     def leaf(keypath: tuple, x: Any) -> Any:
         row = _row_for(plan, join_path(*[_key_name(k) for k in keypath[:-1]]))
-        target = getattr(row, role) if row is not None else getattr(policy, roles[to])
+        target = getattr(row, role) if row is not None else getattr(policy, role)
         return _cast_leaf(x, dtype(target))
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
@@ -380,19 +375,39 @@ def _is_float_dtype_or_none(value: Any) -> bool:
         return False
 
 
-def _row_notes(row: PlanRow, module: Any) -> PlanRow:
+class _Facts(NamedTuple):
+    """What a Plan note needs to know about one module (kept instead of the module itself)."""
+
+    float32_reductions: bool = False
+    float32_softmax: bool = False
+    batch_norm: bool = False
+    odd_dtype: str | None = None  # a non-float ``dtype`` attribute, left alone
+
+
+def _facts(module: Any) -> _Facts:
+    if module is None:
+        return _Facts()
+    odd = None
+    if _has_field(module, "dtype") and not _is_float_dtype_or_none(getattr(module, "dtype", None)):
+        odd = str(getattr(module, "dtype"))
+    return _Facts(bool(getattr(module, "force_float32_reductions", False)),
+                  bool(getattr(module, "force_fp32_for_softmax", False)),
+                  any(c.__name__ == "BatchNorm" for c in type(module).__mro__), odd)
+
+
+def _row_notes(row: PlanRow, facts: _Facts) -> PlanRow:
     """Say where Flax itself computes in another dtype than the row asks (its own machinery)."""
     notes = []
     low = row.compute_dtype != "float32"
-    if row.kind == "norm" and low and getattr(module, "force_float32_reductions", False):
+    if row.kind == "norm" and low and facts.float32_reductions:
         notes.append("Flax computes the statistics and the normalisation in float32 "
                      f"(force_float32_reductions); input, parameters and output in {row.compute_dtype}")
-    if getattr(module, "force_fp32_for_softmax", False) and low:
+    if facts.float32_softmax and low:
         notes.append("softmax in float32 (force_fp32_for_softmax)")
-    if type(module).__name__ == "BatchNorm" or any(c.__name__ == "BatchNorm" for c in type(module).__mro__):
+    if facts.batch_norm:
         notes.append("running statistics (batch_stats) kept in float32")
-    if _has_field(module, "dtype") and not _is_float_dtype_or_none(getattr(module, "dtype", None)):
-        notes.append(f"the module's dtype={getattr(module, 'dtype')} is not a float dtype; left as set")
+    if facts.odd_dtype is not None:
+        notes.append(f"the module's dtype={facts.odd_dtype} is not a float dtype; left as set")
     if not notes:
         return row
     return with_note(row, "; ".join(notes))
@@ -474,10 +489,9 @@ def _float_dtypes(tree: Any) -> tuple[str, ...]:
 class _LinenInterceptor:
     """The method interceptor: every module method runs in its Plan row's dtypes."""
 
-    def __init__(self, resolver: _Resolver, *, initializing: bool, record: dict | None = None,
+    def __init__(self, resolver: _Resolver, *, record: dict | None = None,
                  observer: Callable[[Observed], None] | None = None):
         self.resolver = resolver
-        self.initializing = initializing
         self.record = record
         self.observer = observer
 
@@ -486,7 +500,7 @@ class _LinenInterceptor:
         if self.record is not None:
             path = _linen_path(module)
             if path not in self.record:
-                self.record[path] = (_kind_of(module, "linen"), _class_name(module), module)
+                self.record[path] = (_kind_of(module, "linen"), _class_name(module), _facts(module))
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
         row = self.resolver.row(_linen_chain(module))
@@ -558,8 +572,8 @@ class Applied:
         self.policy = _phase_policy(schedule, *(_phase or (None, None)))  # the phase in force
         self.notes = notes
         self._resolver = _Resolver(self.policy)
-        # path -> (kind, class, instance), learnt while tracing; shared by the phases of one model
-        self._known: dict[str, tuple[str | None, str, Any]] = {} if _known is None else _known
+        # path -> (kind, class, facts), learnt while tracing; shared by the phases of one model
+        self._known: dict[str, tuple[str | None, str, _Facts]] = {} if _known is None else _known
         self._lock = threading.Lock()
         self._phases: dict[int | None, Applied] = {}
 
@@ -581,9 +595,8 @@ class Applied:
         return hit
 
     # -- the Flax API --
-    def _interceptor(self, *, initializing: bool, observer: Callable | None = None) -> Any:
-        return _LinenInterceptor(self._resolver, initializing=initializing, record=self._known,
-                                 observer=observer)
+    def _interceptor(self, observer: Callable | None = None) -> Any:
+        return _LinenInterceptor(self._resolver, record=self._known, observer=observer)
 
     @contextlib.contextmanager
     def _scope(self, interceptor: Any):
@@ -594,12 +607,12 @@ class Applied:
 
     def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         """``module.init`` with parameters created in each row's ``param_dtype``."""
-        with self._scope(self._interceptor(initializing=True)):
+        with self._scope(self._interceptor()):
             variables = self.module.init(rngs, *args, method=method, **kwargs)
         return self.cast_params(variables)
 
     def init_with_output(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> tuple[Any, Any]:
-        with self._scope(self._interceptor(initializing=True)):
+        with self._scope(self._interceptor()):
             out, variables = self.module.init_with_output(rngs, *args, method=method, **kwargs)
         return _cast_tree(out, _DTYPES[self.policy.output_dtype]), self.cast_params(variables)
 
@@ -608,7 +621,7 @@ class Applied:
         """``module.apply`` following the Plan; outputs in ``output_dtype``."""
         variables = self._compute_variables(variables, args, kwargs, rngs=rngs, method=method,
                                             mutable=mutable)
-        with self._scope(self._interceptor(initializing=False)):
+        with self._scope(self._interceptor()):
             result = self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable,
                                        **kwargs)
         out_dtype = _DTYPES[self.policy.output_dtype]
@@ -627,7 +640,7 @@ class Applied:
                                             mutable=mutable)
 
         def run(v: Any) -> Any:
-            with self._scope(self._interceptor(initializing=False, observer=seen.append)):
+            with self._scope(self._interceptor(seen.append)):
                 return self.module.apply(v, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
         jax.eval_shape(run, cast_vars)
@@ -652,7 +665,7 @@ class Applied:
         if not missing:
             return
         # learn the module tree (classes, kinds) by tracing once; nothing is computed
-        recorder = _LinenInterceptor(self._resolver, initializing=False, record=self._known)
+        recorder = _LinenInterceptor(self._resolver, record=self._known)
 
         def run() -> Any:
             nn = _linen()
@@ -735,7 +748,7 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
         raise TypeError("a flax.linen module's layers are only known once it runs: pass example "
                         "inputs, as in ampbridge.plan(module, policy, x) (they are traced, not computed)")
     record: dict[str, tuple[str | None, str, Any]] = {}
-    recorder = _LinenInterceptor(_Resolver(policy), initializing=True, record=record)
+    recorder = _LinenInterceptor(_Resolver(policy), record=record)
     if rngs is None:
         rngs = jax.random.key(0)
 
@@ -749,14 +762,14 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
             known.setdefault(path, entry)
     counts = _own_param_counts(variables.get("params", {}))
     layers = [Layer(path, kind, cls, counts.get(path, 0)) for path, (kind, cls, _) in record.items()]
-    instances = {path: inst for path, (_, _, inst) in record.items()}
+    facts = {path: fact for path, (_, _, fact) in record.items()}
     plan_notes = list(notes) + [
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
         f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
         f"the model's outputs are cast to output_dtype {policy.output_dtype}",
     ]
     return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
-                      adjust=lambda row: _row_notes(row, instances.get(row.path)))
+                      adjust=lambda row: _row_notes(row, facts.get(row.path, _Facts())))
 
 
 # --- flax.nnx ---------------------------------------------------------------------------------
@@ -793,7 +806,7 @@ def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[st
         f"the model's outputs are cast to output_dtype {policy.output_dtype}",
     ]
     return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
-                      adjust=lambda row: _row_notes(row, instances.get(row.path)))
+                      adjust=lambda row: _row_notes(row, _facts(instances.get(row.path))))
 
 
 _NNX_SUBCLASSES: dict[type, type] = {}

@@ -12,7 +12,6 @@ jax = require("jax")
 require("flax")
 require("optax")
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 CALLBACK_PRIMITIVES = ("callback", "debug_callback", "io_callback", "pure_callback", "outside_call",
@@ -70,8 +69,6 @@ def tree_bits_equal(a, b) -> bool:
 def bits_equal():
     return tree_bits_equal
 
-
-__all__ = ["jnp", "np"]
 
 
 class Inspect:
