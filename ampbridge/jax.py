@@ -606,14 +606,26 @@ class Applied:
                 yield
 
     def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
-        """``module.init`` with parameters created in each row's ``param_dtype``."""
+        """``module.init`` with parameters created in each row's ``param_dtype``.
+
+        Warns (:class:`ampbridge.UnmatchedRuleWarning`) once for each rule no module matched.
+        """
         with self._scope(self._interceptor()):
             variables = self.module.init(rngs, *args, method=method, **kwargs)
+        self._warn_unmatched()
         return self.cast_params(variables)
+
+    def _warn_unmatched(self) -> None:
+        if getattr(self, "_warned_unmatched", False) or not self.policy.rules:
+            return
+        self._warned_unmatched = True
+        layers = [Layer(path, kind, cls) for path, (kind, cls, _) in self._known.items()]
+        build_plan(layers, self.policy, framework=FRAMEWORK, warn=True)
 
     def init_with_output(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> tuple[Any, Any]:
         with self._scope(self._interceptor()):
             out, variables = self.module.init_with_output(rngs, *args, method=method, **kwargs)
+        self._warn_unmatched()
         return _cast_tree(out, _DTYPES[self.policy.output_dtype]), self.cast_params(variables)
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
@@ -950,19 +962,18 @@ def apply(module: Any, policy: Policy | str) -> Any:
 
 
 def owns(obj: Any) -> bool:
-    """True for Flax modules (linen, NNX), :class:`Applied`, and pytrees of JAX arrays."""
+    """True for Flax modules (linen, NNX) and :class:`Applied`.
+
+    Plain pytrees are not claimed (the registry caches its answer per type, and a ``dict`` may
+    hold any framework's tensors): plan them with ``ampbridge.jax.plan(tree, policy)``.
+    """
     if isinstance(obj, Applied):
         return True
     linen = sys.modules.get("flax.linen")
     nnx = sys.modules.get("flax.nnx")
     if linen is not None and isinstance(obj, linen.Module):
         return True
-    if nnx is not None and isinstance(obj, nnx.Module):
-        return True
-    if isinstance(obj, Mapping) and obj:
-        leaves = jax.tree_util.tree_leaves(obj)
-        return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
-    return False
+    return nnx is not None and isinstance(obj, nnx.Module)
 
 
 def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True, **kwargs: Any) -> Plan:
@@ -974,8 +985,8 @@ def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = Tr
 
     Example:
         >>> import jax.numpy as jnp, flax.linen as nn, ampbridge
-        >>> p = ampbridge.plan(nn.Sequential([nn.Dense(4), nn.LayerNorm()]),
-        ...                    ampbridge.Policy(compute_dtype="bf16", keep_float32=("kind:norm",)), jnp.ones((1, 3)))
+        >>> p = plan(nn.Sequential([nn.Dense(4), nn.LayerNorm()]),  # or ampbridge.plan(...)
+        ...          ampbridge.Policy(compute_dtype="bf16", keep_float32=("kind:norm",)), jnp.ones((1, 3)))
         >>> p["layers_1"].compute_dtype, p["layers_0"].compute_dtype
         ('float32', 'bfloat16')
     """

@@ -364,3 +364,23 @@ def test_host_callback_error_surfaces_as_a_runtime_error_naming_the_loss_scale_e
         for _ in range(4):
             state = step(synthetic_grads(True), state)
         jax.block_until_ready(state)
+
+
+def test_unscale_and_reset_helpers():
+    cfg = LossScaleConfig(mode="dynamic", initial_scale=64.0, growth_interval=1)
+    tx = abj.optimizer(optax.sgd(1.0), cfg)
+    state = tx.init(params0())
+    _, state = tx.update(synthetic_grads(False), state, params0())  # grows to 128
+    assert float(abj.unscale({"g": jnp.float32(256.0)}, state)["g"]) == 2.0
+    _, state = tx.update(synthetic_grads(True), state, params0())
+    fresh = abj.reset_loss_scale(state, cfg)
+    assert abj.loss_scale(fresh).to_reference() == ampbridge.LossScaleState(
+        scale=64.0, good_steps=0, hysteresis_left=1, steps=2, skipped=1)
+    assert fresh.inner_state is state.inner_state
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(abj, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 20 and result.failed == 0
