@@ -1228,7 +1228,8 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
     warns or raises ``LossScaleError``. With ``"error"`` the step that would raise, and every step
     after it, is skipped with the loss-scale state frozen, as the reference's raise leaves it.
     ``host_callback=True`` also reports from inside the step through ``jax.debug.callback``
-    (one host callback per step; the default adds none).
+    (one host callback per step; the default adds none). A policy with ``[[phase]]`` tables gives
+    its first phase's loss scaling; :class:`Schedule` builds one optimizer per phase.
 
     Example:
         >>> import jax.numpy as jnp, optax, ampbridge
