@@ -53,7 +53,7 @@ from typing import Any
 from ._policy import LossScaleConfig
 from .errors import AmpBridgeWarning, LossScaleError
 
-__all__ = ["LossScaleState", "LossScaler", "initial_state", "next_state", "trajectory", "f32"]
+__all__ = ["LossScaleState", "LossScaler", "initial_state", "next_state", "trajectory", "enter_phase", "f32"]
 
 
 def f32(x: float) -> float:
@@ -148,6 +148,37 @@ def next_state(cfg: LossScaleConfig, state: LossScaleState, found_inf: bool,
                 good = 0
     return LossScaleState(scale=scale, good_steps=good, hysteresis_left=hyst,
                           steps=state.steps + 1, skipped=skipped)
+
+
+def enter_phase(cfg: LossScaleConfig, state: LossScaleState, *, previous: LossScaleConfig | None = None,
+                reset: bool = False) -> LossScaleState:
+    """The state a precision phase (``[[phase]]``) starts from, given the state the last one left.
+
+    Every backend uses this rule, so a schedule gives the same trajectory everywhere:
+
+    - ``reset`` (``[phase.loss_scale] reset = true``): the phase's initial state;
+    - the mode changes (``previous.mode != cfg.mode``, both resolved; e.g. ``none`` -> ``dynamic``
+      when float32 gives way to float16): the phase's initial state too, since one mode's scale
+      means nothing in another (a float32 phase's 1.0 is not a learned scale);
+    - static -> static: the phase's own scale (a static scale is a setting, not a state);
+    - dynamic -> dynamic: everything carries over as it is.
+
+    The run counters ``steps`` and ``skipped`` always carry over.
+
+    Example:
+        >>> none, dyn = LossScaleConfig(mode="none"), LossScaleConfig(mode="dynamic")
+        >>> s = trajectory(none, [False, True])[-1]
+        >>> enter_phase(dyn, s, previous=none)
+        LossScaleState(scale=65536.0, good_steps=0, hysteresis_left=1, steps=2, skipped=1)
+    """
+    _require_resolved(cfg)
+    if previous is not None:
+        _require_resolved(previous)
+    fresh = reset or previous is None or previous.mode != cfg.mode or cfg.mode != "dynamic"
+    if not fresh:
+        return state
+    start = initial_state(cfg)
+    return dataclasses.replace(start, steps=state.steps, skipped=state.skipped)
 
 
 def trajectory(cfg: LossScaleConfig, found_infs: Iterable[bool],

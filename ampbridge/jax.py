@@ -1,0 +1,1567 @@
+"""ampbridge for JAX: Flax (linen and NNX) casting per Plan row, and loss scaling as optax.
+
+JAX has no AMP of its own. This adapter realises a policy with Flax's and optax's own pieces:
+
+- :func:`apply` on a ``flax.linen.Module`` returns an :class:`Applied` with ``init``/``apply``.
+  A linen *method interceptor* (``nn.intercept_methods``) runs around every module method: it
+  casts the module's floating inputs to the compute dtype of its Plan row, sets the module's own
+  ``dtype``/``param_dtype`` attributes (so Flax's ``promote_dtype`` agrees) and casts its outputs
+  to the row's output dtype. Parameters are cast per module path inside ``apply``, i.e. inside the
+  function you differentiate, so gradients arrive in the stored (``param_dtype``) parameters.
+  Mutable collections (``batch_stats``) stay float32.
+- :func:`apply` on a ``flax.nnx.Module`` returns a copy whose modules follow the Plan: parameters
+  stored in the row's ``param_dtype``, ``dtype`` attributes set, and every module's ``__call__``
+  casting its inputs, its own parameters and its outputs.
+- :func:`cast` (and ``cast_to_compute``/``cast_to_param``/``cast_to_output``) for plain pytrees
+  (equinox, haiku): floating leaves only; ints, bools and non-arrays pass through.
+- :func:`optimizer` wraps any optax transformation with the reference loss-scale algorithm
+  (``ampbridge._loss_scale``): ``update`` unscales, checks finiteness, and on a non-finite step
+  returns (negative) zero updates and leaves the inner state untouched. Everything is pure
+  ``jnp``/``lax`` on pytree state with static settings: no host sync, no Python branch on a
+  traced value, no host callback unless you ask for one (``host_callback=True``).
+- :func:`scale_loss`, :func:`loss_scale`, :func:`check` find the loss-scale state anywhere in an
+  optax state (chains, ``MultiSteps``, ``nnx.Optimizer``).
+- :func:`plan` / :func:`owns` for ``ampbridge.plan(module, policy, *example_inputs)``.
+- :class:`Schedule`: precision phases (``[[phase]]``), one jitted step per phase.
+
+Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ampbridge
+    >>> policy = ampbridge.Policy(compute_dtype="float16", keep_float32=("kind:norm",))
+    >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+    >>> amp = ampbridge.jax.apply(model, policy)
+    >>> variables = amp.init(jax.random.key(0), jnp.ones((4, 3)))
+    >>> amp.apply(variables, jnp.ones((4, 3))).dtype
+    dtype('float32')
+    >>> tx = ampbridge.jax.optimizer(optax.sgd(0.1), policy)
+    >>> opt_state = tx.init(variables["params"])
+    >>> float(ampbridge.jax.loss_scale(opt_state).scale)
+    65536.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _io
+from ._loss_scale import LossScaleState as ReferenceState
+from ._loss_scale import initial_state as _reference_initial_state
+from ._matching import join_path
+from ._plan import Layer, Plan, PlanRow, build_plan, with_note
+from ._policy import LossScaleConfig, Policy
+from .errors import (
+    AmpBridgeWarning,
+    BackendUnavailableError,
+    LossScaleError,
+    UnsupportedOptionError,
+)
+
+__all__ = [
+    "Applied",
+    "AmpState",
+    "LossScaleState",
+    "Schedule",
+    "apply",
+    "cast",
+    "cast_to_compute",
+    "cast_to_output",
+    "cast_to_param",
+    "check",
+    "dtype",
+    "enter_phase",
+    "initial_loss_scale",
+    "loss_scale",
+    "next_loss_scale",
+    "optimizer",
+    "owns",
+    "plan",
+    "reset_loss_scale",
+    "resolve_policy",
+    "scale_loss",
+    "unscale",
+]
+
+FRAMEWORK = "jax"
+
+#: the one place canonical dtype names become JAX dtypes
+_DTYPES: dict[str, np.dtype] = {
+    "float32": jnp.dtype("float32"),
+    "float16": jnp.dtype("float16"),
+    "bfloat16": jnp.dtype("bfloat16"),
+    "float64": jnp.dtype("float64"),
+}
+
+#: ampbridge's matmul_precision (torch's names) -> jax.default_matmul_precision
+MATMUL_PRECISION = {"highest": "highest", "high": "high", "medium": "default"}
+
+
+def _require(module: str, what: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"ampbridge.jax.{what} requires {module.split('.')[0]!r} ({e}). "
+            "Install with: pip install 'ampbridge[jax]'") from e
+
+
+def _linen() -> Any:
+    return _require("flax.linen", "apply")
+
+
+def _nnx() -> Any:
+    return _require("flax.nnx", "apply")
+
+
+def _optax() -> Any:
+    return _require("optax", "optimizer")
+
+
+def dtype(name: str | Any) -> np.dtype:
+    """The JAX dtype of a canonical dtype name (aliases accepted), or a dtype passed through.
+
+    Example:
+        >>> dtype("bf16")
+        dtype(bfloat16)
+    """
+    if isinstance(name, str):
+        from ._dtypes import canonical_dtype
+
+        try:
+            return _DTYPES[canonical_dtype(name)]
+        except ValueError:
+            if name in _DTYPES:
+                return _DTYPES[name]
+            raise ValueError(f"unknown dtype {name!r}; accepted: {', '.join(_DTYPES)} "
+                             "(aliases: fp16 half f16 bf16 fp32 f32 float single)") from None
+    return jnp.dtype(name)
+
+
+# --- policies -----------------------------------------------------------------------------------
+
+def _device() -> Any:
+    from ._hardware import Device, cpu_flags
+
+    dev = jax.devices()[0]
+    platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
+    capability = None
+    cc = getattr(dev, "compute_capability", None)
+    if cc:
+        try:
+            major, minor = str(cc).split(".")[:2]
+            capability = (int(major), int(minor))
+        except ValueError:
+            capability = None
+    return Device(platform, getattr(dev, "device_kind", ""), capability,
+                  cpu_flags() if platform == "cpu" else frozenset())
+
+
+def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, tuple[str, ...]]:
+    """The policy this backend applies, and notes saying why it differs from the one given.
+
+    Accepts a Policy, a preset name or a policy file path. The environment's bisect switch
+    (``AMPBRIDGE_DISABLE``/``AMPBRIDGE_POLICY``) applies, and ``compute_dtype = "auto"`` is
+    resolved for the default JAX device (``ampbridge._hardware``).
+
+    Example:
+        >>> resolve_policy("mixed_bfloat16")[0].compute_dtype
+        'bfloat16'
+    """
+    from ._env import effective_policy
+    from ._hardware import resolve_auto
+
+    if isinstance(policy, str):
+        policy = _io.preset(policy) if policy in _io.PRESETS else _io.load(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"expected an ampbridge.Policy, a preset name or a policy file path; received "
+                        f"{policy!r} (of type {type(policy).__name__})")
+    notes: list[str] = []
+    given = policy
+    policy = effective_policy(policy, FRAMEWORK, warn=warn)
+    if policy is not given:
+        notes.append("the environment (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY) replaced the policy")
+    policy, why = resolve_auto(policy, _device(), warn=warn)
+    if why:
+        notes.append(why)
+    return policy, tuple(notes)
+
+
+def _phase_policy(policy: Policy, step: int | None = None, epoch: int | None = None) -> Policy:
+    if not policy.phases:
+        return policy
+    if step is None and epoch is None:
+        step, epoch = 0, 0
+    return policy.at(step=step, epoch=epoch)
+
+
+# --- casting pytrees ----------------------------------------------------------------------------
+
+def _is_float_array(x: Any) -> bool:
+    return (isinstance(x, (jax.Array, np.ndarray, np.generic))
+            and jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def _cast_leaf(x: Any, to: np.dtype) -> Any:
+    if _is_float_array(x) and x.dtype != to:
+        return x.astype(to)
+    return x
+
+
+def _cast_tree(tree: Any, to: np.dtype) -> Any:
+    return jax.tree_util.tree_map(lambda x: _cast_leaf(x, to), tree)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _tree_layers(tree: Any) -> list[Layer]:
+    """One Layer per inner node of a pytree (its key path), for path rules on plain pytrees."""
+    seen: dict[str, int] = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [_key_name(k) for k in keypath]
+        size = int(np.prod(np.shape(leaf))) if hasattr(leaf, "shape") else 0
+        for depth in range(len(names)):
+            path = join_path(*names[:depth])
+            seen.setdefault(path, 0)
+        owner = join_path(*names[:-1])
+        seen[owner] = seen.get(owner, 0) + size
+    return [Layer(path, None, "", count) for path, count in seen.items()]
+
+
+def _row_for(plan: Plan, path: str) -> PlanRow | None:
+    while True:
+        if path in plan:
+            return plan[path]
+        if not path:
+            return None
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def cast(tree: Any, policy: Policy | str | Any, to: str = "compute", *,
+         plan: Plan | bool | None = None) -> Any:
+    """Cast the floating leaves of a pytree; ints, bools and non-array leaves pass through.
+
+    ``policy`` is a Policy (``to`` picks its ``"compute"``, ``"param"`` or ``"output"`` dtype)
+    or a dtype (a name such as ``"bf16"``, or a JAX dtype). With ``plan`` (a Plan, or True to
+    plan the tree's own key paths against the policy's path rules), each leaf takes the row of the
+    module that owns it: a leaf ``encoder/norm/scale`` follows the row of ``encoder.norm``. A new
+    tree is returned; the input is never modified.
+
+    Example:
+        >>> import jax.numpy as jnp, ampbridge
+        >>> p = ampbridge.Policy(compute_dtype="bf16", keep_float32=("norm",))
+        >>> tree = {"dense": {"w": jnp.ones(2)}, "norm": {"scale": jnp.ones(2)}, "step": 3}
+        >>> out = cast(tree, p, plan=True)
+        >>> out["dense"]["w"].dtype, out["norm"]["scale"].dtype, out["step"]
+        (dtype(bfloat16), dtype('float32'), 3)
+    """
+    roles = {"compute": "compute_dtype", "param": "param_dtype", "output": "output_dtype"}
+    if to not in roles:
+        raise ValueError(f"cast: to={to!r} is not accepted; accepted: {', '.join(roles)}")
+    if not isinstance(policy, Policy):
+        if plan:
+            raise ValueError("cast: plan= needs a Policy, not a dtype")
+        return _cast_tree(tree, dtype(policy))
+    policy = _phase_policy(policy)
+    if policy.compute_dtype == "auto":
+        policy = resolve_policy(policy, warn=False)[0]
+    if not plan:
+        return _cast_tree(tree, dtype(getattr(policy, roles[to])))
+    if plan is True:  # kind:/type: rules cannot match a bare tree; no unmatched-rule warnings
+        plan = build_plan(_tree_layers(tree), policy, framework=FRAMEWORK, warn=False)
+    role = roles[to]
+
+    def leaf(keypath: tuple, x: Any) -> Any:
+        row = _row_for(plan, join_path(*[_key_name(k) for k in keypath[:-1]]))
+        target = getattr(row, role) if row is not None else getattr(policy, role)
+        return _cast_leaf(x, dtype(target))
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def cast_to_compute(tree: Any, policy: Policy) -> Any:
+    """``cast(tree, policy, "compute")`` (jmp's name)."""
+    return cast(tree, policy, "compute")
+
+
+def cast_to_param(tree: Any, policy: Policy) -> Any:
+    """``cast(tree, policy, "param")`` (jmp's name)."""
+    return cast(tree, policy, "param")
+
+
+def cast_to_output(tree: Any, policy: Policy) -> Any:
+    """``cast(tree, policy, "output")`` (jmp's name)."""
+    return cast(tree, policy, "output")
+
+
+# --- kinds and rows -----------------------------------------------------------------------------
+
+_LINEN_KINDS = {
+    "norm": ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm"),
+    "embedding": ("Embed",),
+    "linear": ("Dense", "DenseGeneral", "Einsum"),
+    "conv": ("Conv", "ConvTranspose", "ConvLocal"),
+    "attention": ("MultiHeadDotProductAttention", "MultiHeadAttention", "SelfAttention"),
+    "recurrent": ("RNNCellBase", "RNN", "Bidirectional"),
+}
+_NNX_KINDS = {
+    "norm": ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm"),
+    "embedding": ("Embed",),
+    "linear": ("Linear", "LinearGeneral", "Einsum"),
+    "conv": ("Conv", "ConvTranspose"),
+    "attention": ("MultiHeadAttention",),
+    "recurrent": ("RNNCellBase", "RNN", "Bidirectional"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _class_table(flavour: str) -> dict[type, str]:
+    if flavour == "linen":
+        mod, kinds = _linen(), _LINEN_KINDS
+    else:
+        mod, kinds = _nnx(), _NNX_KINDS
+    table = {}
+    for kind, names in kinds.items():
+        for name in names:
+            cls = getattr(mod, name, None)
+            if isinstance(cls, type):
+                table[cls] = kind
+    return table
+
+
+def _kind_of(obj: Any, flavour: str) -> str | None:
+    declared = getattr(obj, "ampbridge_kind", None)
+    if declared is not None:
+        return declared
+    table = _class_table(flavour)
+    for cls in type(obj).__mro__:
+        if cls in table:
+            return table[cls]
+    return None
+
+
+def _class_name(obj: Any) -> str:
+    cls = getattr(type(obj), "_ampbridge_original", type(obj))
+    return cls.__name__
+
+
+def _has_field(obj: Any, name: str) -> bool:
+    fields = getattr(type(obj), "__dataclass_fields__", None)
+    if fields is not None:
+        return name in fields
+    return name in getattr(obj, "__dict__", {})
+
+
+def _is_float_dtype_or_none(value: Any) -> bool:
+    if value is None:
+        return True
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(value), jnp.floating))
+    except TypeError:
+        return False
+
+
+class _Facts(NamedTuple):
+    """What a Plan note needs to know about one module (kept instead of the module itself)."""
+
+    float32_reductions: bool = False
+    float32_softmax: bool = False
+    batch_norm: bool = False
+    odd_dtype: str | None = None  # a non-float ``dtype`` attribute, left alone
+
+
+def _facts(module: Any) -> _Facts:
+    if module is None:
+        return _Facts()
+    odd = None
+    if _has_field(module, "dtype") and not _is_float_dtype_or_none(getattr(module, "dtype", None)):
+        odd = str(getattr(module, "dtype"))
+    return _Facts(bool(getattr(module, "force_float32_reductions", False)),
+                  bool(getattr(module, "force_fp32_for_softmax", False)),
+                  any(c.__name__ == "BatchNorm" for c in type(module).__mro__), odd)
+
+
+def _row_notes(row: PlanRow, facts: _Facts) -> PlanRow:
+    """Say where Flax itself computes in another dtype than the row asks (its own machinery)."""
+    notes = []
+    low = row.compute_dtype != "float32"
+    if row.kind == "norm" and low and facts.float32_reductions:
+        notes.append("Flax computes the statistics and the normalisation in float32 "
+                     f"(force_float32_reductions); input, parameters and output in {row.compute_dtype}")
+    if facts.float32_softmax and low:
+        notes.append("softmax in float32 (force_fp32_for_softmax)")
+    if facts.batch_norm:
+        notes.append("running statistics (batch_stats) kept in float32")
+    if facts.odd_dtype is not None:
+        notes.append(f"the module's dtype={facts.odd_dtype} is not a float dtype; left as set")
+    if not notes:
+        return row
+    return with_note(row, "; ".join(notes))
+
+
+class _Resolver:
+    """Plan rows from a module's ancestry, cached: the same rule resolution as :func:`plan`."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self._rows: dict[tuple, PlanRow] = {}
+        self._lock = threading.Lock()
+
+    def row(self, chain: tuple[tuple[str, str | None, str], ...]) -> PlanRow:
+        """``chain``: (path, kind, class name) from the root down to the module itself."""
+        with self._lock:
+            hit = self._rows.get(chain)
+        if hit is not None:
+            return hit
+        layers = [Layer(path, kind, cls) for path, kind, cls in chain]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row = build_plan(layers, self.policy, framework=FRAMEWORK, warn=False).rows[-1]
+        with self._lock:
+            self._rows[chain] = row
+        return row
+
+
+# --- flax.linen -------------------------------------------------------------------------------
+
+def _linen_path(module: Any) -> str:
+    return join_path(*[str(p) for p in module.path])
+
+
+def _linen_chain(module: Any) -> tuple[tuple[str, str | None, str], ...]:
+    nn = _linen()
+    chain = []
+    m = module
+    while isinstance(m, nn.Module):
+        chain.append((_linen_path(m), _kind_of(m, "linen"), _class_name(m)))
+        m = m.parent
+    return tuple(reversed(chain))
+
+
+@contextlib.contextmanager
+def _attributes(module: Any, **values: Any):
+    """Set a Flax module's own dtype attributes for one call (bound clones only), then restore."""
+    old = {}
+    for name, value in values.items():
+        if value is None or not _has_field(module, name):
+            continue
+        current = getattr(module, name, None)
+        if not _is_float_dtype_or_none(current):
+            continue  # an integer "dtype" means something else; leave it
+        old[name] = current
+        object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            object.__setattr__(module, name, value)
+
+
+class Observed(NamedTuple):
+    """The dtypes one module call actually saw (from :meth:`Applied.observe`)."""
+
+    path: str
+    class_name: str
+    method: str
+    inputs: tuple[str, ...]  # floating inputs, as the module's method received them
+    params: tuple[str, ...]  # the module's own floating parameters, as it read them
+    outputs: tuple[str, ...]  # floating outputs, after the row's output cast
+
+
+def _float_dtypes(tree: Any) -> tuple[str, ...]:
+    return tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x))
+
+
+class _LinenInterceptor:
+    """The method interceptor: every module method runs in its Plan row's dtypes."""
+
+    def __init__(self, resolver: _Resolver, *, record: dict | None = None,
+                 observer: Callable[[Observed], None] | None = None):
+        self.resolver = resolver
+        self.record = record
+        self.observer = observer
+
+    def __call__(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+        module = context.module
+        if self.record is not None:
+            path = _linen_path(module)
+            if path not in self.record:
+                self.record[path] = (_kind_of(module, "linen"), _class_name(module), _facts(module))
+        if context.method_name == "setup":
+            return next_fun(*args, **kwargs)
+        row = self.resolver.row(_linen_chain(module))
+        compute = _DTYPES[row.compute_dtype]
+        args, kwargs = _cast_tree((args, kwargs), compute)
+        attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
+        with _attributes(module, **attrs):
+            out = next_fun(*args, **kwargs)
+        out = _cast_tree(out, _DTYPES[row.output_dtype])
+        if self.observer is not None:
+            own = module.variables.get("params", {}) if module.scope is not None else {}
+            params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
+            self.observer(Observed(_linen_path(module), _class_name(module), context.method_name,
+                                   _float_dtypes((args, kwargs)), _float_dtypes(params),
+                                   _float_dtypes(out)))
+        return out
+
+
+def _own_param_counts(params: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+
+    def walk(node: Any, names: tuple[str, ...]) -> None:
+        path = join_path(*names)
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, names + (str(key),))
+            else:
+                counts[path] = counts.get(path, 0) + int(np.prod(np.shape(value)))
+
+    if isinstance(params, Mapping):
+        walk(params, ())
+    return counts
+
+
+def _param_paths(params: Any) -> set[str]:
+    return set(_own_param_counts(params))
+
+
+def _state_to_float32(collections: Any) -> Any:
+    """Mutable collections (batch_stats, ...) stay float32; sown intermediates stay as computed."""
+    if not isinstance(collections, Mapping):
+        return collections
+    return {name: (value if name in ("params", "intermediates") else _cast_tree(value, _DTYPES["float32"]))
+            for name, value in collections.items()}
+
+
+class Applied:
+    """A linen module under a policy: ``init`` and ``apply`` run every module per its Plan row.
+
+    ``init`` creates parameters in their row's ``param_dtype`` (pinned ones float32); ``apply``
+    casts parameters per module (inside your loss function, so gradients reach the stored ones),
+    runs each module in its compute dtype and returns outputs in the policy's ``output_dtype``.
+    ``plan(*x)`` is the Plan; ``observe(variables, *x)`` the dtypes every call actually saw;
+    ``at(epoch=...)`` the same model under the phase in force.
+    """
+
+    def __init__(self, module: Any, policy: Policy | str, *, _phase: tuple | None = None,
+                 _schedule: Policy | None = None, _notes: tuple[str, ...] = (), _known: dict | None = None):
+        nn = _linen()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ampbridge.jax.Applied needs a flax.linen.Module; received {type(module).__name__}")
+        if _schedule is None:
+            schedule, notes = resolve_policy(policy)
+            _phase = (0, 0)
+        else:
+            schedule, notes = _schedule, _notes
+        self.module = module
+        self.schedule = schedule  # the whole policy, phases included
+        self.policy = _phase_policy(schedule, *(_phase or (None, None)))  # the phase in force
+        self.notes = notes
+        self._resolver = _Resolver(self.policy)
+        # path -> (kind, class, facts), learnt while tracing; shared by the phases of one model
+        self._known: dict[str, tuple[str | None, str, _Facts]] = {} if _known is None else _known
+        self._lock = threading.Lock()
+        self._phases: dict[int | None, Applied] = {}
+
+    def __repr__(self) -> str:
+        return (f"Applied({type(self.module).__name__}, compute={self.policy.compute_dtype}, "
+                f"params={self.policy.param_dtype}, output={self.policy.output_dtype})")
+
+    # -- phases --
+    def at(self, *, step: int | None = None, epoch: int | None = None) -> "Applied":
+        """The model under the phase in force at ``step``/``epoch`` (cached per phase)."""
+        index = self.schedule.phase_index(step=step, epoch=epoch) if self.schedule.phases else None
+        with self._lock:
+            hit = self._phases.get(index)
+        if hit is None:
+            hit = Applied(self.module, self.schedule, _phase=(step, epoch), _schedule=self.schedule,
+                          _notes=self.notes, _known=self._known)
+            with self._lock:
+                self._phases[index] = hit
+        return hit
+
+    # -- the Flax API --
+    def _interceptor(self, observer: Callable | None = None) -> Any:
+        return _LinenInterceptor(self._resolver, record=self._known, observer=observer)
+
+    @contextlib.contextmanager
+    def _scope(self, interceptor: Any):
+        nn = _linen()
+        with jax.default_matmul_precision(MATMUL_PRECISION[self.policy.matmul_precision]):
+            with nn.intercept_methods(interceptor):
+                yield
+
+    def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+        """``module.init`` with parameters created in each row's ``param_dtype``.
+
+        Warns (:class:`ampbridge.UnmatchedRuleWarning`) once for each rule no module matched.
+        """
+        with self._scope(self._interceptor()):
+            variables = self.module.init(rngs, *args, method=method, **kwargs)
+        self._warn_unmatched()
+        return self.cast_params(variables)
+
+    def _warn_unmatched(self) -> None:
+        if getattr(self, "_warned_unmatched", False) or not self.policy.rules:
+            return
+        self._warned_unmatched = True
+        layers = [Layer(path, kind, cls) for path, (kind, cls, _) in self._known.items()]
+        build_plan(layers, self.policy, framework=FRAMEWORK, warn=True)
+
+    def init_with_output(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        with self._scope(self._interceptor()):
+            out, variables = self.module.init_with_output(rngs, *args, method=method, **kwargs)
+        self._warn_unmatched()
+        return _cast_tree(out, _DTYPES[self.policy.output_dtype]), self.cast_params(variables)
+
+    def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+              mutable: Any = False, **kwargs: Any) -> Any:
+        """``module.apply`` following the Plan; outputs in ``output_dtype``."""
+        variables = self._compute_variables(variables, args, kwargs, rngs=rngs, method=method,
+                                            mutable=mutable)
+        with self._scope(self._interceptor()):
+            result = self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable,
+                                       **kwargs)
+        out_dtype = _DTYPES[self.policy.output_dtype]
+        if mutable is not False:
+            out, state = result
+            return _cast_tree(out, out_dtype), _state_to_float32(state)
+        return _cast_tree(result, out_dtype)
+
+    __call__ = apply
+
+    def observe(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+                mutable: Any = False, **kwargs: Any) -> list[Observed]:
+        """Trace ``apply`` (abstractly: nothing runs) and return what every module call saw."""
+        seen: list[Observed] = []
+        cast_vars = self._compute_variables(variables, args, kwargs, rngs=rngs, method=method,
+                                            mutable=mutable)
+
+        def run(v: Any) -> Any:
+            with self._scope(self._interceptor(seen.append)):
+                return self.module.apply(v, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+        jax.eval_shape(run, cast_vars)
+        return seen
+
+    # -- parameters --
+    def _rows_for_paths(self, paths: Iterable[str]) -> dict[str, PlanRow]:
+        rows = {}
+        for path in paths:
+            parts = path.split(".") if path else []
+            chain = []
+            for depth in range(len(parts) + 1):
+                prefix = ".".join(parts[:depth])
+                kind, cls, _ = self._known.get(prefix, (None, "", None))
+                chain.append((prefix, kind, cls))
+            rows[path] = self._resolver.row(tuple(chain))
+        return rows
+
+    def _ensure_known(self, variables: Any, args: tuple, kwargs: dict, **apply_kw: Any) -> None:
+        params = variables.get("params", {}) if isinstance(variables, Mapping) else {}
+        missing = [p for p in _param_paths(params) if p not in self._known]
+        if not missing:
+            return
+        # learn the module tree (classes, kinds) by tracing once; nothing is computed
+        recorder = _LinenInterceptor(self._resolver, record=self._known)
+
+        def run() -> Any:
+            nn = _linen()
+            with nn.intercept_methods(recorder):
+                return self.module.apply(variables, *args, **apply_kw, **kwargs)
+
+        jax.eval_shape(run)
+
+    def _compute_variables(self, variables: Any, args: tuple, kwargs: dict, **apply_kw: Any) -> Any:
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            return variables
+        self._ensure_known(variables, args, kwargs, **apply_kw)
+        params = variables["params"]
+        rows = self._rows_for_paths(_param_paths(params))
+        return {**variables, "params": self._cast_by_row(params, rows, "compute_dtype")}
+
+    @staticmethod
+    def _cast_by_row(params: Any, rows: Mapping[str, PlanRow], role: str) -> Any:
+        def walk(node: Any, names: tuple[str, ...]) -> Any:
+            path = join_path(*names)
+            out = {}
+            for key, value in node.items():
+                if isinstance(value, Mapping):
+                    out[key] = walk(value, names + (str(key),))
+                else:
+                    out[key] = _cast_tree(value, _DTYPES[getattr(rows[path], role)])
+            return out
+
+        return walk(params, ())
+
+    def cast_params(self, variables: Any, *example_inputs: Any, **kwargs: Any) -> Any:
+        """Variables with every parameter in its row's ``param_dtype`` and mutable state float32.
+
+        Use it on a float32 checkpoint, or at a phase boundary where ``param_dtype`` changes. The
+        module tree is known once ``init``/``apply``/``plan`` ran; otherwise pass example inputs
+        (traced, not computed) when the policy has ``kind:``/``type:`` rules.
+        """
+        if not isinstance(variables, Mapping):
+            return variables
+        out = dict(_state_to_float32(variables))
+        if "params" in variables:
+            params = variables["params"]
+            unknown = [p for p in _param_paths(params) if p not in self._known]
+            if unknown and example_inputs:
+                self._ensure_known(variables, example_inputs, kwargs)
+            elif unknown and _needs_classes(self.policy):
+                raise ValueError(
+                    f"cast_params: the module tree is not known yet (e.g. {unknown[0]!r}), and this policy's "
+                    "kind:/type: rules need it; call init/apply/plan first or pass example inputs: "
+                    "amp.cast_params(variables, x)")
+            rows = self._rows_for_paths(_param_paths(params))
+            out["params"] = self._cast_by_row(params, rows, "param_dtype")
+        return type(variables)(out) if type(variables) is not dict and _is_frozen(variables) else out
+
+    # -- the Plan --
+    def plan(self, *example_inputs: Any, rngs: Any = None, method: Any = None, warn: bool = True,
+             **kwargs: Any) -> Plan:
+        """The Plan of this module under the phase in force (``example_inputs`` as for ``init``)."""
+        return _linen_plan(self.module, self.policy, example_inputs, rngs=rngs, method=method, warn=warn,
+                           notes=self.notes, known=self._known, **kwargs)
+
+
+def _needs_classes(policy: Policy) -> bool:
+    return any(m.startswith(("kind:", "type:")) for _, rule in policy.rules for m in rule.match)
+
+
+def _is_frozen(variables: Any) -> bool:
+    try:
+        from flax.core import FrozenDict
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(variables, FrozenDict)
+
+
+def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any = None,
+                method: Any = None, warn: bool = True, notes: tuple[str, ...] = (), known: dict | None = None,
+                **kwargs: Any) -> Plan:
+    nn = _linen()
+    if not example_inputs and not kwargs:
+        raise TypeError("a flax.linen module's layers are only known once it runs: pass example "
+                        "inputs, as in ampbridge.plan(module, policy, x) (they are traced, not computed)")
+    record: dict[str, tuple[str | None, str, Any]] = {}
+    recorder = _LinenInterceptor(_Resolver(policy), record=record)
+    if rngs is None:
+        rngs = jax.random.key(0)
+
+    def run() -> Any:
+        with nn.intercept_methods(recorder):
+            return module.init(rngs, *example_inputs, method=method, **kwargs)
+
+    variables = jax.eval_shape(run)
+    if known is not None:
+        for path, entry in record.items():
+            known.setdefault(path, entry)
+    counts = _own_param_counts(variables.get("params", {}))
+    layers = [Layer(path, kind, cls, counts.get(path, 0)) for path, (kind, cls, _) in record.items()]
+    facts = {path: fact for path, (_, _, fact) in record.items()}
+    plan_notes = list(notes) + [
+        f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
+        f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
+        f"the model's outputs are cast to output_dtype {policy.output_dtype}",
+    ]
+    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
+                      adjust=lambda row: _row_notes(row, facts.get(row.path, _Facts())))
+
+
+# --- flax.nnx ---------------------------------------------------------------------------------
+
+def _nnx_path(parts: Sequence[Any]) -> str:
+    return join_path(*[str(p) for p in parts])
+
+
+def _nnx_layers(module: Any) -> tuple[list[Layer], dict[str, Any], dict[str, str]]:
+    """Layers in tree order (root first), their instances, and each parameter path's owner."""
+    nnx = _nnx()
+    modules = [(_nnx_path(p), m) for p, m in nnx.iter_modules(module)]
+    modules.sort(key=lambda pm: (pm[0].count(".") + (1 if pm[0] else 0), pm[0]))
+    instances = dict(modules)
+    counts: dict[str, int] = {}
+    owners: dict[str, str] = {}
+    for keypath, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        path = _nnx_path(keypath)
+        owner = _nnx_path(keypath[:-1])
+        while owner not in instances and owner:
+            owner = owner.rsplit(".", 1)[0] if "." in owner else ""
+        owners[path] = owner
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        counts[owner] = counts.get(owner, 0) + int(np.prod(np.shape(value)))
+    layers = [Layer(path, _kind_of(m, "nnx"), _class_name(m), counts.get(path, 0)) for path, m in modules]
+    return layers, instances, owners
+
+
+def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[str, ...] = ()) -> Plan:
+    layers, instances, _ = _nnx_layers(module)
+    plan_notes = list(notes) + [
+        f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
+        f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
+        f"the model's outputs are cast to output_dtype {policy.output_dtype}",
+    ]
+    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
+                      adjust=lambda row: _row_notes(row, _facts(instances.get(row.path))))
+
+
+_NNX_SUBCLASSES: dict[type, type] = {}
+_NNX_LOCK = threading.Lock()
+
+
+def _own_variables(module: Any) -> list[Any]:
+    """The Params a module's own ``__call__`` reads: its attributes, through containers and
+    non-callable modules (``nnx.List``), but not through callable submodules (they cast their own)."""
+    nnx = _nnx()
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(value: Any, top: bool) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, nnx.Param):
+            out.append(value)
+        elif isinstance(value, nnx.Module):
+            if not top and _is_callable_module(value):
+                return
+            for child in vars(value).values():
+                walk(child, False)
+        elif isinstance(value, (list, tuple)):
+            for child in value:
+                walk(child, False)
+        elif isinstance(value, dict):
+            for child in value.values():
+                walk(child, False)
+
+    walk(module, True)
+    return out
+
+
+def _is_callable_module(module: Any) -> bool:
+    # look in the class dicts: getattr(cls, "__call__") would find the metaclass's
+    return any("__call__" in vars(cls) for cls in type(module).__mro__ if cls is not object)
+
+
+def _nnx_subclass(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` follows the row stored on the instance."""
+    with _NNX_LOCK:
+        hit = _NNX_SUBCLASSES.get(cls)
+        if hit is not None:
+            return hit
+        original_call = cls.__call__
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            compute_name, output_name, final_name, precision, scope = self._ampbridge_row
+            compute = _DTYPES[compute_name]
+            args, kwargs = _cast_tree((args, kwargs), compute)
+            own = [v for v in _own_variables(self) if _is_float_array(v.get_value())
+                   and v.get_value().dtype != compute]
+            stored = [v.get_value() for v in own]
+            for var, value in zip(own, stored):
+                var.set_value(value.astype(compute))  # traced: gradients flow to the stored value
+            try:
+                # the module's name in the trace (as linen's named calls give), for profiles and tests
+                with jax.default_matmul_precision(precision), jax.named_scope(scope):
+                    out = original_call(self, *args, **kwargs)
+            finally:
+                for var, value in zip(own, stored):
+                    var.set_value(value)
+            out = _cast_tree(out, _DTYPES[output_name])
+            if final_name is not None:
+                out = _cast_tree(out, _DTYPES[final_name])
+            return out
+
+        __call__.__doc__ = original_call.__doc__
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "_ampbridge_original": cls,
+                                          "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _NNX_SUBCLASSES[cls] = sub
+        return sub
+
+
+def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
+    nnx = _nnx()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = nnx.clone(module)
+    plan_ = _nnx_plan(model, policy, warn=True, notes=notes)
+    _, instances, owners = _nnx_layers(model)
+    state = nnx.state(model, nnx.Param)
+    flat = dict((_nnx_path(k), v) for k, v in nnx.to_flat_state(state))
+    for path, var in flat.items():
+        row = plan_[owners[path]]
+        value = var.get_value()
+        if _is_float_array(value):
+            var.set_value(value.astype(_DTYPES[row.param_dtype]))
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.BatchStat)):
+        value = var.get_value()
+        if _is_float_array(value):
+            var.set_value(value.astype(jnp.float32))
+    precision = MATMUL_PRECISION[policy.matmul_precision]
+    callable_paths = [p for p, m in instances.items() if _is_callable_module(m)]
+    for path, sub in instances.items():
+        row = plan_[path]
+        for name, value in (("dtype", _DTYPES[row.compute_dtype]), ("param_dtype", _DTYPES[row.param_dtype])):
+            if name in vars(sub) and _is_float_dtype_or_none(getattr(sub, name)):
+                setattr(sub, name, value)
+        if _is_callable_module(sub):
+            final = policy.output_dtype if path == "" else None
+            caller = max((p for p in callable_paths if p != path and (p == "" or path.startswith(p + "."))),
+                         key=len, default=None)
+            scope = _class_name(sub) if path == "" else path[len(caller) + 1:] if caller else path
+            object.__setattr__(sub, "_ampbridge_row",
+                               (row.compute_dtype, row.output_dtype, final, precision, scope))
+            original = getattr(type(sub), "_ampbridge_original", type(sub))
+            sub.__class__ = _nnx_subclass(original)
+    return model
+
+
+# --- public: apply / plan / owns --------------------------------------------------------------
+
+def apply(module: Any, policy: Policy | str) -> Any:
+    """Run a Flax module under a policy.
+
+    A ``flax.linen.Module`` gives an :class:`Applied` (``init``/``apply``/``plan``); a
+    ``flax.nnx.Module`` gives a copy of it whose calls follow the Plan (the original is left as it
+    was). A policy with ``[[phase]]`` tables starts in its first phase; see :class:`Schedule`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, ampbridge
+        >>> amp = apply(nn.Dense(3), ampbridge.preset("mixed_bfloat16"))
+        >>> v = amp.init(jax.random.key(0), jnp.ones((1, 2)))
+        >>> v["params"]["kernel"].dtype, amp.apply(v, jnp.ones((1, 2))).dtype
+        (dtype('float32'), dtype('float32'))
+    """
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if linen is not None and isinstance(module, linen.Module):
+        return Applied(module, policy)
+    if nnx is not None and isinstance(module, nnx.Module):
+        resolved, notes = resolve_policy(policy)
+        return _apply_nnx(module, _phase_policy(resolved), notes)
+    raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
+                    f"{type(module).__module__}.{type(module).__qualname__}. For plain pytrees "
+                    "(equinox, haiku) use ampbridge.jax.cast(tree, policy)")
+
+
+def owns(obj: Any) -> bool:
+    """True for Flax modules (linen, NNX) and :class:`Applied`.
+
+    Plain pytrees are not claimed (the registry caches its answer per type, and a ``dict`` may
+    hold any framework's tensors): plan them with ``ampbridge.jax.plan(tree, policy)``.
+    """
+    if isinstance(obj, Applied):
+        return True
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if linen is not None and isinstance(obj, linen.Module):
+        return True
+    return nnx is not None and isinstance(obj, nnx.Module)
+
+
+def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True, **kwargs: Any) -> Plan:
+    """The Plan of a Flax model (linen needs example inputs, traced only) or a pytree of arrays.
+
+    Paths join the module tree's names with ``.`` (``encoder.layers_0.norm``; NNX lists give
+    ``layers.0``). A pytree's inner nodes become layers without kind or class, so only path rules
+    match them.
+
+    Example:
+        >>> import jax.numpy as jnp, flax.linen as nn, ampbridge
+        >>> p = plan(nn.Sequential([nn.Dense(4), nn.LayerNorm()]),  # or ampbridge.plan(...)
+        ...          ampbridge.Policy(compute_dtype="bf16", keep_float32=("kind:norm",)), jnp.ones((1, 3)))
+        >>> p["layers_1"].compute_dtype, p["layers_0"].compute_dtype
+        ('float32', 'bfloat16')
+    """
+    if isinstance(model, Applied):
+        return model.plan(*example_inputs, warn=warn, **kwargs)
+    resolved, notes = resolve_policy(policy, warn=warn)
+    resolved = _phase_policy(resolved)
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if linen is not None and isinstance(model, linen.Module):
+        return _linen_plan(model, resolved, example_inputs, warn=warn, notes=notes, **kwargs)
+    if nnx is not None and isinstance(model, nnx.Module):
+        return _nnx_plan(model, resolved, warn=warn, notes=notes)
+    if isinstance(model, Mapping):
+        return build_plan(_tree_layers(model), resolved, framework=FRAMEWORK, warn=warn, notes=notes)
+    raise TypeError(f"ampbridge.jax.plan: cannot plan a {type(model).__qualname__}; accepted: a "
+                    "flax.linen.Module (with example inputs), a flax.nnx.Module, or a dict of arrays")
+
+
+# --- loss scaling as an optax transformation --------------------------------------------------
+
+class LossScaleState(NamedTuple):
+    """The loss-scale state as JAX arrays: every field a leaf, so jit, tree_map, ``lax.scan`` and
+    checkpoints (orbax, flax.serialization) keep all of it.
+
+    The first five fields are the reference algorithm's (``ampbridge.LossScaleState``);
+    ``min_scale_hits`` counts overflows at ``min_scale`` (the event ``on_min_scale`` acts on,
+    read on the host by :func:`check`).
+    """
+
+    scale: jax.Array  # float32
+    good_steps: jax.Array  # int32
+    hysteresis_left: jax.Array  # int32
+    steps: jax.Array  # int32
+    skipped: jax.Array  # int32
+    min_scale_hits: jax.Array  # int32
+
+    def to_reference(self) -> ReferenceState:
+        """The core's ``LossScaleState`` (host values; this reads the device)."""
+        return ReferenceState(scale=float(self.scale), good_steps=int(self.good_steps),
+                              hysteresis_left=int(self.hysteresis_left), steps=int(self.steps),
+                              skipped=int(self.skipped))
+
+    @classmethod
+    def from_reference(cls, state: ReferenceState, min_scale_hits: int = 0) -> "LossScaleState":
+        return cls(jnp.asarray(state.scale, jnp.float32), jnp.asarray(state.good_steps, jnp.int32),
+                   jnp.asarray(state.hysteresis_left, jnp.int32), jnp.asarray(state.steps, jnp.int32),
+                   jnp.asarray(state.skipped, jnp.int32), jnp.asarray(min_scale_hits, jnp.int32))
+
+
+class AmpState(NamedTuple):
+    """The state of :func:`optimizer`: the loss-scale state and the inner optimizer's state."""
+
+    loss_scale: LossScaleState
+    inner_state: Any
+
+
+def _config(policy: Policy | LossScaleConfig | str) -> tuple[LossScaleConfig, str]:
+    if isinstance(policy, LossScaleConfig):
+        cfg = policy.resolve("float16")
+        return cfg, "float16"
+    resolved, _ = resolve_policy(policy, warn=False)
+    resolved = _phase_policy(resolved)
+    return resolved.resolved_loss_scale, resolved.compute_dtype
+
+
+def _initial(cfg: LossScaleConfig) -> LossScaleState:
+    return LossScaleState.from_reference(_reference_initial_state(cfg))
+
+
+_F32_INF_BITS = 0x7F800000
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.asarray(x, np.float32).view(np.int32))
+
+
+def _mul_exact(x: jax.Array, factor: float) -> jax.Array:
+    """``float32(x * float32(factor))`` for a finite ``x >= 0``, correctly rounded, subnormals included.
+
+    XLA flushes subnormal float32 values to zero at run time (and constant folding does not), so a
+    scale that decays past 2^-126 would leave the reference trajectory. The product is formed
+    exactly (Dekker's two-product on 12-bit halves of the integer significands), then placed with
+    integer exponent arithmetic, rounding half to even into the subnormal range.
+    """
+    i32, f32 = jnp.int32, jnp.float32
+    c = np.float32(factor)
+    cbits = _f32_bits(c)
+    c_exp, c_man = (cbits >> 23) & 0xFF, cbits & 0x7FFFFF
+    mc, ec = (c_man, -149) if c_exp == 0 else (c_man | 0x800000, c_exp - 150)
+    bits = jax.lax.bitcast_convert_type(x, i32)
+    x_exp, x_man = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    mx = jnp.where(x_exp == 0, x_man, x_man | 0x800000)
+    e = jnp.where(x_exp == 0, -149, x_exp - 150) + ec  # x * c == mx * mc * 2^e exactly
+    hi = mx.astype(f32) * f32(mc)  # round-to-nearest-even of the exact product (an integer < 2^48)
+    xh, xl = (mx >> 12).astype(f32), (mx & 0xFFF).astype(f32)
+    ch, cl = f32(mc >> 12), f32(mc & 0xFFF)
+    err = (((xh * ch * f32(2.0 ** 24) - hi) + xh * cl * f32(2.0 ** 12)) + xl * ch * f32(2.0 ** 12)) + xl * cl
+    hbits = jax.lax.bitcast_convert_type(hi, i32)
+    h_exp, h_man = (hbits >> 23) & 0xFF, hbits & 0x7FFFFF
+    r_exp = h_exp + e  # the result's biased exponent when it is normal
+    normal = (jnp.clip(r_exp, 0, 255) << 23) | h_man
+    # subnormal result: round hi * 2^(e + 149) (< 2^23) to an integer; err breaks exact ties
+    y_exp = h_exp + e + 149
+    y = jnp.where(y_exp >= 1, jax.lax.bitcast_convert_type((jnp.clip(y_exp, 0, 255) << 23) | h_man, f32),
+                  f32(0.0))
+    low = jnp.floor(y)
+    tie = (y - low) == f32(0.5)
+    rounded = jnp.where(tie & (err > 0), low + 1, jnp.where(tie & (err < 0), low, jnp.round(y)))
+    out = jnp.where(hi == 0, 0, jnp.where(r_exp >= 255, _F32_INF_BITS,
+                                          jnp.where(r_exp >= 1, normal, rounded.astype(i32))))
+    return jax.lax.bitcast_convert_type(out.astype(i32), f32)
+
+
+def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array) -> tuple[LossScaleState, jax.Array]:
+    """One step of the reference algorithm in float32/int32 ``jnp``; returns (state, halted).
+
+    ``halted`` is True when ``on_min_scale = "error"`` stops the run: the reference raises before
+    backing off, so the state stays as it was (except ``min_scale_hits``) from then on.
+    """
+    i32, f32 = jnp.int32, np.float32
+    found_inf = jnp.asarray(found_inf, bool)
+    steps = s.steps + 1
+    skipped = s.skipped + found_inf.astype(i32) if cfg.skip_nonfinite else s.skipped
+    if cfg.mode != "dynamic":
+        return s._replace(steps=steps, skipped=skipped), jnp.zeros((), bool)
+    scale, good, hyst = s.scale, s.good_steps, s.hysteresis_left
+    # Plain float32 products are exact while the scale stays normal, which a normal min_scale
+    # guarantees (a flushed backoff product loses to the floor either way); otherwise go exact.
+    floor_is_normal = cfg.min_scale is not None and np.float32(cfg.min_scale) >= np.finfo(np.float32).tiny
+    if floor_is_normal:
+        def mul(factor: float) -> jax.Array:
+            return scale * f32(factor)
+    else:
+        def mul(factor: float) -> jax.Array:
+            return _mul_exact(scale, factor)
+    as_int = functools.partial(jax.lax.bitcast_convert_type, new_dtype=i32)
+    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+    exhausted = hyst <= 1
+    backoff = found_inf & exhausted
+    backed = mul(cfg.backoff_factor)
+    event = jnp.zeros((), bool)
+    if cfg.min_scale is not None:
+        # non-negative float32 values order like their bit patterns: compare those (no flushing)
+        floor_bits = _f32_bits(cfg.min_scale)
+        event = backoff & (as_int(scale) == floor_bits)
+        backed = as_f32(jnp.maximum(as_int(backed), floor_bits))
+    good_next = good + 1
+    grow = ~found_inf & (good_next == cfg.growth_interval)
+    grown = mul(cfg.growth_factor)
+    grown_ok = grow & ((as_int(grown) & _F32_INF_BITS) != _F32_INF_BITS)
+    if cfg.max_scale is not None:
+        grown = as_f32(jnp.minimum(as_int(grown), _f32_bits(cfg.max_scale)))
+    new_scale = jnp.where(backoff, backed, jnp.where(grown_ok, grown, scale))
+    new_good = jnp.where(found_inf | grow, jnp.zeros((), i32), good_next)
+    full = jnp.asarray(cfg.hysteresis, i32)
+    hyst_finite = full if cfg.consecutive_hysteresis else jnp.where(grow, full, hyst)
+    new_hyst = jnp.where(found_inf, jnp.where(exhausted, hyst, hyst - 1), hyst_finite)
+    hits = s.min_scale_hits + event.astype(i32)
+    new = LossScaleState(new_scale, new_good, new_hyst, steps, skipped, hits)
+    if cfg.on_min_scale != "error" or cfg.min_scale is None:
+        return new, jnp.zeros((), bool)
+    halted = (s.min_scale_hits > 0) | event
+    frozen = s._replace(min_scale_hits=jnp.maximum(s.min_scale_hits, 1))
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(halted, a, b), frozen, new), halted
+
+
+def next_loss_scale(config: Policy | LossScaleConfig | str, state: LossScaleState,
+                    found_inf: Any) -> LossScaleState:
+    """One step of the reference loss-scale algorithm on JAX arrays (jit- and scan-safe).
+
+    This is what :func:`optimizer` runs each step; ``found_inf`` is a boolean scalar.
+
+    Example:
+        >>> import ampbridge
+        >>> cfg = ampbridge.LossScaleConfig(mode="dynamic", initial_scale=8.0)
+        >>> s = next_loss_scale(cfg, initial_loss_scale(cfg), True)
+        >>> float(s.scale), int(s.skipped)
+        (4.0, 1)
+    """
+    cfg, _ = _config(config)
+    return _advance(cfg, state, found_inf)[0]
+
+
+def initial_loss_scale(config: Policy | LossScaleConfig | str) -> LossScaleState:
+    """The loss-scale state before the first step (the reference ``initial_state``)."""
+    cfg, _ = _config(config)
+    return _initial(cfg)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    finite = jnp.ones((), bool)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            finite = finite & jnp.all(jnp.isfinite(leaf))
+    return finite
+
+
+def _unscale_leaf(g: Any, inv: jax.Array) -> Any:
+    if not jnp.issubdtype(jnp.result_type(g), jnp.floating):
+        return g
+    if g.dtype == jnp.float32:
+        return g * inv
+    if g.dtype == jnp.float64:
+        return g * inv.astype(jnp.float64)
+    return (g.astype(jnp.float32) * inv).astype(g.dtype)  # half grads: unscale in float32
+
+
+def _host_report(kind: str, limit: float | None) -> Callable:
+    warned = [False]
+
+    def report(event: Any, steps: Any) -> None:
+        if not bool(event):
+            return
+        text = (f"loss scale overflowed at min_scale={limit} (step {int(steps)})")
+        if kind == "error":
+            raise LossScaleError(text + "; on_min_scale='error' stops the run")
+        if not warned[0]:
+            warned[0] = True
+            warnings.warn(text + ": the scale is stuck and gradients still overflow", AmpBridgeWarning,
+                          stacklevel=2)
+
+    return report
+
+
+def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callback: bool = False) -> Any:
+    """Wrap an optax transformation with the policy's loss scaling (the reference algorithm).
+
+    ``update(grads, state, params)`` takes the gradients of :func:`scale_loss`'s scaled loss,
+    unscales them (in float32), checks that all are finite and, when one is not and
+    ``skip_nonfinite`` holds, returns updates of ``-0.0`` (``p + -0.0`` is ``p`` bit for bit, even
+    for ``-0.0``) and keeps the inner state as it was. The scale then follows
+    ``ampbridge._loss_scale`` exactly (float32 arithmetic). Settings are closed over (static); the
+    state is an :class:`AmpState` pytree. Put it outermost: ``optimizer(optax.chain(clip, adam), p)``,
+    so every inner transformation sees unscaled gradients.
+
+    ``on_min_scale``: ``"clamp"`` stays at ``min_scale``; ``"warn"`` and ``"error"`` count the event
+    in ``min_scale_hits`` and :func:`check` (host side, where you already sync, e.g. when logging)
+    warns or raises ``LossScaleError``. With ``"error"`` the step that would raise, and every step
+    after it, is skipped with the loss-scale state frozen, as the reference's raise leaves it.
+    ``host_callback=True`` also reports from inside the step through ``jax.debug.callback``
+    (one host callback per step; the default adds none). A policy with ``[[phase]]`` tables gives
+    its first phase's loss scaling; :class:`Schedule` builds one optimizer per phase.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, ampbridge
+        >>> tx = optimizer(optax.sgd(1.0), ampbridge.preset("mixed_float16"))
+        >>> state = tx.init({"w": jnp.ones(2)})
+        >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)
+        >>> updates["w"], float(loss_scale(state).scale), int(loss_scale(state).skipped)
+        (Array([-0., -0.], dtype=float32), 32768.0, 1)
+    """
+    optax = _optax()
+    cfg, compute = _config(policy)
+    inner = optax.with_extra_args_support(inner)
+    if host_callback and cfg.on_min_scale == "clamp":
+        raise UnsupportedOptionError("ampbridge.jax.optimizer: host_callback=True reports on_min_scale "
+                                     "'warn'/'error'; this policy's on_min_scale is 'clamp'")
+    report = _host_report(cfg.on_min_scale, cfg.min_scale) if host_callback else None
+    scaled = cfg.mode in ("dynamic", "static")
+    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
+
+    def init_fn(params: Any) -> AmpState:
+        return AmpState(_initial(cfg), inner.init(params))
+
+    def update_fn(updates: Any, state: AmpState, params: Any = None, **extra: Any) -> tuple[Any, AmpState]:
+        if not isinstance(state, AmpState):
+            raise TypeError(f"ampbridge.jax.optimizer: expected the AmpState from this transformation's "
+                            f"init; received {type(state).__name__}")
+        ls = state.loss_scale
+        if scaled:
+            inv = jnp.ones((), jnp.float32) / ls.scale
+            grads = jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), updates)
+        else:
+            grads = updates
+        finite = _all_finite(grads) if checks_finite else jnp.ones((), bool)
+        new_ls, halted = _advance(cfg, ls, ~finite)
+        if report is not None:
+            event = new_ls.min_scale_hits > ls.min_scale_hits
+            jax.debug.callback(report, event, ls.steps)
+        inner_updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        skip_conditions = []
+        if cfg.skip_nonfinite:
+            skip_conditions.append(~finite)
+        if cfg.on_min_scale == "error" and cfg.min_scale is not None:
+            skip_conditions.append(halted)
+        if skip_conditions:
+            take = ~functools.reduce(jnp.logical_or, skip_conditions)
+            # -0.0, not 0.0: p + -0.0 == p bit for bit for every p (p + 0.0 turns -0.0 into +0.0)
+            inner_updates = jax.tree_util.tree_map(
+                lambda u: jnp.where(take, u, jnp.full_like(u, -0.0)), inner_updates)
+            inner_state = optax.tree_utils.tree_where(take, inner_state, state.inner_state)
+        return inner_updates, AmpState(new_ls, inner_state)
+
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return tx
+
+
+def _unwrap_variables(tree: Any) -> Any:
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return tree
+    if isinstance(tree, getattr(nnx, "Optimizer", ())):
+        tree = tree.opt_state
+
+    def value(v: Any) -> Any:
+        if isinstance(v, nnx.Variable):
+            return v.get_value() if hasattr(v, "get_value") else v.value
+        return v
+
+    return jax.tree_util.tree_map(value, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _find_states(tree: Any) -> list[LossScaleState]:
+    tree = _unwrap_variables(tree)
+    if isinstance(tree, LossScaleState):
+        return [tree]
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (AmpState, LossScaleState)))
+    return [x.loss_scale if isinstance(x, AmpState) else x for x in leaves
+            if isinstance(x, (AmpState, LossScaleState))]
+
+
+def loss_scale(opt_state: Any) -> LossScaleState:
+    """The :class:`LossScaleState` inside an optimizer state (any optax chain, ``MultiSteps``,
+    ``inject_hyperparams``, or an ``nnx.Optimizer``)."""
+    found = _find_states(opt_state)
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ValueError(f"no ampbridge loss-scale state in this optimizer state (of type "
+                         f"{type(opt_state).__name__}); build the optimizer with "
+                         "ampbridge.jax.optimizer(inner, policy) and pass its state")
+    raise ValueError(f"{len(found)} ampbridge loss-scale states in this optimizer state; wrap the whole "
+                     "optimizer once: ampbridge.jax.optimizer(optax.chain(...), policy)")
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """``loss * scale`` in (at least) float32, inside the function you differentiate.
+
+    A float16 loss is computed on in float32 here, but its own gradient is the scale itself,
+    which float16 cannot hold above 65504: compute the loss in float32 (``output_dtype``).
+    """
+    scale = loss_scale(opt_state).scale
+    loss = jnp.asarray(loss)
+    if loss.dtype == jnp.float16:
+        warnings.warn("scale_loss got a float16 loss: its gradient (the loss scale) overflows float16 "
+                      "above 65504; compute the loss in float32 (output_dtype = 'float32')",
+                      AmpBridgeWarning, stacklevel=2)
+    wide = jnp.promote_types(loss.dtype, jnp.float32)
+    return loss.astype(wide) * scale.astype(wide)
+
+
+def unscale(tree: Any, opt_state: Any) -> Any:
+    """Gradients divided by the current scale (float32 arithmetic), e.g. to log their norm."""
+    inv = jnp.ones((), jnp.float32) / loss_scale(opt_state).scale
+    return jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), tree)
+
+
+_WARNED: set[Any] = set()
+
+
+def check(opt_state: Any, policy: Policy | LossScaleConfig | str) -> ReferenceState:
+    """Read the loss-scale state on the host and act on ``on_min_scale`` (this syncs).
+
+    ``"error"`` raises :class:`ampbridge.LossScaleError` once the scale has overflowed at
+    ``min_scale`` (the optimizer has skipped every step since); ``"warn"`` warns once per policy;
+    ``"clamp"`` does nothing. Returns the state as the core's ``LossScaleState``, for logging.
+    """
+    cfg, _ = _config(policy)
+    state = loss_scale(opt_state)
+    hits = int(state.min_scale_hits)
+    reference = state.to_reference()
+    if hits and cfg.on_min_scale == "error":
+        raise LossScaleError(f"loss scale overflowed at min_scale={cfg.min_scale} (step {reference.steps}); "
+                             "on_min_scale='error' stops the run (the optimizer has skipped every step since)")
+    if hits and cfg.on_min_scale == "warn" and cfg not in _WARNED:
+        _WARNED.add(cfg)
+        warnings.warn(f"loss scale is stuck at min_scale={cfg.min_scale} and gradients still overflow "
+                      f"({hits} times by step {reference.steps})", AmpBridgeWarning, stacklevel=2)
+    return reference
+
+
+def reset_loss_scale(opt_state: Any, policy: Policy | LossScaleConfig | str) -> Any:
+    """The optimizer state with its loss-scale state restarted for ``policy`` (counters kept)."""
+    cfg, _ = _config(policy)
+    fresh = _initial(cfg)
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, AmpState):
+            ls = x.loss_scale
+            return x._replace(loss_scale=fresh._replace(steps=ls.steps, skipped=ls.skipped))
+        return x
+
+    return jax.tree_util.tree_map(swap, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
+
+
+def _loss_scale_configs(policy: Policy) -> Any:
+    return _phase_policy(policy).resolved_loss_scale
+
+
+def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConfig | None = None, *,
+                reset: bool = False) -> Any:
+    """The optimizer state with its loss-scale state moved into a new phase (the core's rule,
+    ``ampbridge._loss_scale.enter_phase``: carry, or start fresh on ``reset`` or a mode change).
+
+    Runs on the host (it reads the state once); the inner optimizer state is left as it is.
+    """
+    from ._loss_scale import enter_phase as reference_enter_phase
+
+    def move(x: Any) -> Any:
+        if not isinstance(x, AmpState):
+            return x
+        ls = x.loss_scale
+        before = ls.to_reference()
+        after = reference_enter_phase(config, before, previous=previous, reset=reset)
+        hits = int(ls.min_scale_hits) if after is before else 0
+        return x._replace(loss_scale=LossScaleState.from_reference(after, hits))
+
+    return jax.tree_util.tree_map(move, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
+
+
+class Schedule:
+    """A precision schedule (``[[phase]]``) for a linen model: one jitted train step per phase.
+
+    Write the train step once, for any phase::
+
+        def train_step(amp, tx, params, opt_state, x, y):
+            def loss_fn(p):
+                return ampbridge.jax.scale_loss(cross_entropy(amp.apply({"params": p}, x), y), opt_state)
+            grads = jax.grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        schedule = ampbridge.jax.Schedule(module, policy, optax.adam(1e-3), train_step)
+        params, opt_state = schedule.init(jax.random.key(0), x)
+        for epoch in range(epochs):
+            for x, y in batches:
+                params, opt_state = schedule(params, opt_state, x, y, epoch=epoch)
+
+    ``amp`` and ``tx`` are the phase's :class:`Applied` model and :func:`optimizer`. Each phase's
+    step is traced and compiled once and cached (``traces`` counts them). At a phase boundary
+    the parameters are re-cast to the new phase's ``param_dtype`` rows and the loss-scale state
+    moves on by the core's rule (:func:`enter_phase`: carried over, or fresh on ``reset = true`` or
+    a loss-scale mode change); the inner optimizer state (Adam's moments, its count) carries over
+    untouched. ``params`` may be the ``params`` collection or the whole variables dict.
+
+    The schedule follows one run: it remembers the phase of the state it last returned. After
+    restoring a checkpoint, call ``resume(epoch=...)`` (or ``step=``) before the next step.
+    """
+
+    def __init__(self, module: Any, policy: Policy | str, inner: Any, train_step: Callable[..., Any], *,
+                 host_callback: bool = False, **jit_kwargs: Any):
+        self.amp = apply(module, policy)
+        if not isinstance(self.amp, Applied):
+            raise TypeError("ampbridge.jax.Schedule drives flax.linen modules; for flax.nnx apply the "
+                            "phase's policy with ampbridge.jax.apply(model, policy.at(epoch=...))")
+        self.policy = self.amp.schedule
+        self.inner = inner
+        self.train_step = train_step
+        self.host_callback = host_callback
+        self.jit_kwargs = jit_kwargs
+        self.traces: dict[int | None, int] = {}
+        self.phase: int | None | str = "unset"
+        self._steps: dict[int | None, Callable] = {}
+        self._txs: dict[int | None, Any] = {}
+        self._models: dict[int | None, Applied] = {}
+        self._lock = threading.Lock()
+
+    # -- phases --
+    def key(self, *, step: int | None = None, epoch: int | None = None) -> int | None:
+        """The phase index in force (None: past a closed last phase, the top-level settings)."""
+        if not self.policy.phases:
+            return 0
+        return self.policy.phase_index(step=step, epoch=epoch)
+
+    def _policy_of(self, key: int | None) -> Policy:
+        if not self.policy.phases:
+            return self.policy
+        if key is None:
+            return dataclasses.replace(self.policy, phases=())
+        return self.policy.phases[key].policy
+
+    def _at(self, key: int | None) -> tuple[Applied, Any]:
+        with self._lock:
+            if key in self._txs:
+                return self._models[key], self._txs[key]
+        model = self.amp if not self.policy.phases else self._model_for(key)
+        tx = optimizer(self.inner, self._policy_of(key), host_callback=self.host_callback)
+        with self._lock:
+            self._txs.setdefault(key, tx)
+            self._models.setdefault(key, model)
+            return self._models[key], self._txs[key]
+
+    def _model_for(self, key: int | None) -> Applied:
+        policy = self._policy_of(key)
+        return Applied(self.amp.module, policy, _phase=(None, None), _schedule=policy, _notes=self.amp.notes,
+                       _known=self.amp._known)
+
+    def model(self, *, step: int | None = None, epoch: int | None = None) -> Applied:
+        """The :class:`Applied` model of the phase in force."""
+        return self._at(self.key(step=step, epoch=epoch))[0]
+
+    def optimizer(self, *, step: int | None = None, epoch: int | None = None) -> Any:
+        """The loss-scaling optimizer of the phase in force."""
+        return self._at(self.key(step=step, epoch=epoch))[1]
+
+    def plan(self, *example_inputs: Any, step: int | None = None, epoch: int | None = None, **kw: Any) -> Plan:
+        return self.model(step=step, epoch=epoch).plan(*example_inputs, **kw)
+
+    # -- state --
+    def init(self, rngs: Any, *example_inputs: Any, step: int | None = None, epoch: int | None = None,
+             collections: bool = False, **kwargs: Any) -> tuple[Any, Any]:
+        """``(params, opt_state)`` for the phase in force (``collections=True``: all variables)."""
+        if step is None and epoch is None:
+            step, epoch = 0, 0
+        key = self.key(step=step, epoch=epoch)
+        model, tx = self._at(key)
+        variables = jax.jit(functools.partial(model.init, **kwargs))(rngs, *example_inputs)
+        params = variables if collections else variables["params"]
+        opt_state = jax.jit(tx.init)(variables["params"])
+        self.phase = key
+        return params, opt_state
+
+    def resume(self, *, step: int | None = None, epoch: int | None = None) -> None:
+        """Declare the phase of a restored state (no conversion happens)."""
+        self.phase = self.key(step=step, epoch=epoch)
+
+    def _recast(self, model: Applied, params: Any) -> Any:
+        if isinstance(params, Mapping) and "params" in params:
+            return model.cast_params(params)
+        return model.cast_params({"params": params})["params"]
+
+    def enter(self, params: Any, opt_state: Any, *, step: int | None = None,
+              epoch: int | None = None) -> tuple[Any, Any]:
+        """Move ``(params, opt_state)`` into the phase in force (a no-op inside a phase)."""
+        key = self.key(step=step, epoch=epoch)
+        if self.phase == "unset":
+            self.phase = key
+        if key == self.phase:
+            return params, opt_state
+        order = list(range(len(self.policy.phases))) + [None]
+        path = [key]
+        if self.phase in order and key in order and order.index(key) > order.index(self.phase):
+            path = order[order.index(self.phase) + 1:order.index(key) + 1]
+        previous = _loss_scale_configs(self._policy_of(self.phase))
+        for k in path:
+            cfg = _loss_scale_configs(self._policy_of(k))
+            reset = k is not None and self.policy.phases[k].reset_loss_scale
+            opt_state = enter_phase(opt_state, cfg, previous, reset=reset)
+            previous = cfg
+        params = self._recast(self._at(key)[0], params)
+        self.phase = key
+        return params, opt_state
+
+    # -- the steps --
+    def step_fn(self, *, step: int | None = None, epoch: int | None = None) -> Callable:
+        """The jitted train step of the phase in force (traced once per phase, then cached)."""
+        key = self.key(step=step, epoch=epoch)
+        with self._lock:
+            hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        model, tx = self._at(key)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            self.traces[key] = self.traces.get(key, 0) + 1  # runs only while tracing
+            return self.train_step(model, tx, *args, **kwargs)
+
+        fn = jax.jit(traced, **self.jit_kwargs)
+        with self._lock:
+            self._steps.setdefault(key, fn)
+            return self._steps[key]
+
+    def __call__(self, params: Any, opt_state: Any, *args: Any, step: int | None = None,
+                 epoch: int | None = None, **kwargs: Any) -> Any:
+        """``enter`` the phase in force, then run its jitted step."""
+        params, opt_state = self.enter(params, opt_state, step=step, epoch=epoch)
+        return self.step_fn(step=step, epoch=epoch)(params, opt_state, *args, **kwargs)
