@@ -556,6 +556,19 @@ def _concrete(x: Any) -> bool:
     return True
 
 
+def _host(x: Any) -> np.ndarray:
+    """A tensor or variable's value on the host (a sync)."""
+    if isinstance(x, keras.Variable):
+        x = x.value
+    if _backend() == "tensorflow":  # np.array(tf.Variable) warns under numpy 2
+        import tensorflow as tf
+
+        return np.asarray(tf.convert_to_tensor(x).numpy())
+    if _backend() == "torch":  # as is np.array(torch.Tensor)
+        return x.detach().cpu().numpy()
+    return np.asarray(ops.convert_to_numpy(x))
+
+
 _STATE_NAMES = ("good_steps", "dynamic_scale", "hysteresis_left", "loss_scale_steps", "skipped_steps",
                 "min_scale_overflows")
 
@@ -590,6 +603,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._config = cfg
         self.host_checked = False
         self._overflows_seen = 0
+        self._jitted_apply = None
 
     # --- configuration ---
 
@@ -606,6 +620,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = _config_from(config)
         restart = reset or config.mode != self._config.mode
         self._config = config
+        self._jitted_apply = None  # the settings are baked into the compiled step
         self.initial_scale = initial_state(config).scale
         self.dynamic_growth_steps = config.growth_interval
         if self.built and restart:
@@ -643,7 +658,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The loss-scale state as the core's :class:`ampbridge.LossScaleState` (reads values)."""
         if not self.built:
             return initial_state(self._config)
-        own = [np.asarray(ops.convert_to_numpy(v.value)) for v in self._state_variables[:5]]
+        own = [_host(v) for v in self._state_variables[:5]]
         return LossScaleState(scale=float(own[1]), good_steps=int(own[0]), hysteresis_left=int(own[2]),
                               steps=int(own[3]), skipped=int(own[4]))
 
@@ -726,7 +741,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         if overflows is None:
             overflows = self.min_scale_overflows.value
-        count = int(np.asarray(ops.convert_to_numpy(overflows)))
+        count = int(_host(overflows))
         if count <= self._overflows_seen:
             return
         first = self._overflows_seen == 0
@@ -782,8 +797,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.build(trainable_variables)
             self.built = True
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
-        new_weights, new_state = self.stateless_apply([v.value for v in self.variables], list(grads),
-                                                      [v.value for v in variables])
+        if self._jitted_apply is None:  # eager lax.cond re-traces every call: compile the step once
+            import jax
+
+            self._jitted_apply = jax.jit(functools.partial(self.stateless_apply, _host_checks_after=True))
+        new_weights, new_state = self._jitted_apply([v.value for v in self.variables], list(grads),
+                                                    [v.value for v in variables])
         for v, x in zip(variables, new_weights):
             v.assign(x)
         for v, x in zip(self.variables, new_state):
@@ -793,7 +812,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- stateless apply (JAX fit, and any functional use) ---
 
-    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any,
+                        _host_checks_after: bool = False) -> Any:
         if not self.built:
             raise ValueError(f"To call `stateless_apply`, {self.__class__.__name__} must be built (i.e. its "
                              "variables must have been created). You can build it via "
@@ -802,7 +822,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         own, inner = list(optimizer_variables[:n]), list(optimizer_variables[n:])
         where = [next(i for i, v in enumerate(self._variables) if v is s) for s in self._state_variables]
         finite = self.check_finite(grads)
-        self._guard_traced(finite)
+        if not _host_checks_after:
+            self._guard_traced(finite)
         scale = own[where[1]]
 
         def step() -> Any:
@@ -987,4 +1008,4 @@ class PhaseCallback(LossScaleCallback):
         if opt is not None:
             reset = index is not None and self.policy.phases[index].reset_loss_scale and not first
             opt.set_loss_scale_config(active.resolved_loss_scale, reset=reset)
-        _refresh_compiled(self.model)
+        _refresh_compiled(self.model)  # again: the loss-scale settings are baked in too
