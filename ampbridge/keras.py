@@ -377,7 +377,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         >>> import keras, ampbridge
         >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
         >>> m = apply(m, ampbridge.preset("mixed_float16"))
-        >>> m.get_layer("head").dtype_policy.name, str(m(keras.ops.ones((1, 2))).dtype).split(".")[-1]
+        >>> m.get_layer("head").dtype_policy.name, keras.backend.standardize_dtype(m(keras.ops.ones((1, 2))).dtype)
         ('mixed_float16', 'float32')
     """
     policy = _as_policy(policy)

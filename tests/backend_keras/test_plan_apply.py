@@ -269,3 +269,24 @@ def test_dtype_policies_and_their_configs(tmp_path, kx):
     kx.assert_bitwise(model.weights, plain.weights, "reloaded weights")
     restored = ak.load_model(tmp_path / "m.keras")
     assert restored.get_layer("d").dtype_policy.name == "float32/bfloat16"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(ak, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 10 and result.failed == 0
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="checks the JAX backend process")
+def test_no_tensorflow_import_under_jax():
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ['AMPBRIDGE_NO_TORCH_FIRST'] = '1'; import keras, ampbridge, "
+            "ampbridge.keras as ak; m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]); "
+            "p = ampbridge.preset('mixed_float16'); ak.apply(m, p); ak.optimizer('adam', p); ak.plan(m, p); "
+            "print(sorted(k for k in ('tensorflow', 'torch') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "KERAS_BACKEND": "jax"})
+    assert out.stdout.strip().splitlines()[-1] == "[]"
