@@ -975,6 +975,13 @@ class PhaseCallback(LossScaleCallback):
     def on_train_begin(self, logs: Any = None) -> None:
         super().on_train_begin(logs)
         opt = self._optimizer()
+        modes = {p.policy.resolved_loss_scale.mode for p in self.policy.phases} | {
+            self.policy.replace(phases=()).resolved_loss_scale.mode}
+        if opt is None and modes != {"none"}:
+            raise UnsupportedOptionError(
+                f"this schedule needs loss scaling ({', '.join(sorted(modes - {'none'}))}) but the model's "
+                f"optimizer is a {type(getattr(self.model, 'optimizer', None)).__name__}; compile with "
+                "ampbridge.keras.optimizer(inner, policy)")
         if opt is not None:
             self._step = opt.state.steps  # every step seen, skipped ones included
         elif getattr(self.model, "optimizer", None) is not None:

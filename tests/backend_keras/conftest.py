@@ -47,6 +47,25 @@ def _helpers():
             logits = L.Activation("linear", dtype="float32", name="out_cast")(logits)
         return keras.Model(tokens, logits, name=name)
 
+    def seed(n):
+        """keras.utils.set_random_seed, minus its TensorFlow import (10 s) under JAX and torch."""
+        if keras.backend.backend() == "tensorflow":
+            keras.utils.set_random_seed(n)
+            return
+        import random
+
+        from keras.src.backend.common import global_state
+        from keras.src.random import seed_generator
+
+        random.seed(n)
+        np.random.seed(n)
+        global_state.set_global_attribute("global_random_seed", n)
+        global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+        if keras.backend.backend() == "torch":
+            import torch
+
+            torch.manual_seed(n)
+
     def tokens(n, *, seq=8, vocab=32, classes=4, seed=0):
         rng = np.random.RandomState(seed)
         return rng.randint(0, vocab, (n, seq)).astype("int32"), rng.randint(0, classes, (n,)).astype("int32")

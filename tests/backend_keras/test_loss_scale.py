@@ -28,8 +28,8 @@ def with_loss_scale(cfg, policy=MIXED):
     return policy.replace(loss_scale=cfg)
 
 
-def small_model(seed=0):
-    keras.utils.set_random_seed(seed)
+def small_model(kx, seed=0):
+    kx.seed(seed)
     return keras.Sequential([keras.Input((4,)), L.Dense(8, activation="relu", name="a"),
                              L.LayerNormalization(name="norm"), L.Dense(1, name="head")], name="small")
 
@@ -65,7 +65,7 @@ def test_fit_parity_with_native_keras(kx):
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("mixed_float16")
     try:
-        keras.utils.set_random_seed(0)
+        kx.seed(0)
         native = kx.transformer(native=True, dropout=0.1)
     finally:
         keras.config.set_dtype_policy(previous)
@@ -73,7 +73,7 @@ def test_fit_parity_with_native_keras(kx):
                                                        dynamic_growth_steps=5),
                    keras.losses.SparseCategoricalCrossentropy(from_logits=True), **run)
 
-    keras.utils.set_random_seed(0)
+    kx.seed(0)
     model = kx.transformer(dropout=0.1)
     model.set_weights(native.get_weights())
     policy = MIXED.replace(keep_float32=("kind:norm", "kind:embedding"),
@@ -95,7 +95,7 @@ def test_fit_parity_with_native_keras(kx):
 
 
 def test_fit_trajectory_equals_reference(kx):
-    model = small_model()
+    model = small_model(kx)
     policy = with_loss_scale(ODD)
     ak.apply(model, policy)
     opt = ak.optimizer(keras.optimizers.SGD(0.01), policy)
@@ -172,7 +172,7 @@ def test_scale_loss_custom_loop(kx):
 
 
 def test_skipped_fit_step_is_bit_identical(kx):
-    model = small_model()
+    model = small_model(kx)
     policy = with_loss_scale(LossScaleConfig(initial_scale=16.0, growth_interval=1))
     ak.apply(model, policy)
     opt = ak.optimizer(keras.optimizers.Adam(1e-2), policy)
@@ -215,7 +215,7 @@ def test_on_min_scale_error_in_fit(kx):
     x, y = regression(8)
     w = injected([False, True, True, False], 2)
     for callbacks in ([], [ak.LossScaleCallback()]):
-        model = small_model()
+        model = small_model(kx)
         policy = with_loss_scale(MIN_ERROR)
         ak.apply(model, policy)
         model.compile(ak.optimizer(keras.optimizers.SGD(0.01), policy), "mse")
@@ -229,7 +229,7 @@ def test_on_min_scale_error_in_fit(kx):
 
 
 def _trained(kx, epochs, found_inf):
-    model = small_model()
+    model = small_model(kx)
     policy = MIXED.replace(keep_float32=("kind:norm",), loss_scale=LossScaleConfig(initial_scale=256.0,
                                                                                    growth_interval=2))
     ak.apply(model, policy)
@@ -284,3 +284,60 @@ def test_config_round_trip_and_bad_input():
         ak.optimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), MIXED)
     assert ak.optimizer("adam", MIXED).loss_scale_config.mode == "dynamic"
     assert ak.optimizer("adam", ampbridge.preset("mixed_bfloat16")).loss_scale_config.mode == "none"
+
+
+def _custom_step(model, opt, loss_fn, x, y, poison):
+    """One step of each backend's hand-written loop: scale_loss, gradients, apply."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) * poison
+            scaled = opt.scale_loss(loss)
+        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+    elif BACKEND == "torch":
+        import torch
+
+        model.zero_grad()
+        loss = loss_fn(y, model(x, training=True)) * poison
+        opt.scale_loss(loss).backward()
+        with torch.no_grad():
+            opt.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+    else:
+        import jax
+
+        def scaled_loss(trainable, non_trainable, opt_values, poison):
+            y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+            with keras.StatelessScope(state_mapping=list(zip(opt.variables, opt_values))):
+                return opt.scale_loss(loss_fn(y, y_pred) * poison), non_trainable
+
+        if not hasattr(opt, "_test_steps"):  # compiled once, as a real loop would
+            opt._test_steps = (jax.jit(jax.grad(scaled_loss, has_aux=True)), jax.jit(opt.stateless_apply))
+        grad_fn, apply_fn = opt._test_steps
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        opt_values = [v.value for v in opt.variables]
+        grads, _ = grad_fn(trainable, non_trainable, opt_values, poison)
+        trainable, opt_values = apply_fn(opt_values, grads, trainable)
+        for v, value in zip(model.trainable_variables, trainable):
+            v.assign(value)
+        for v, value in zip(opt.variables, opt_values):
+            v.assign(value)
+
+
+def test_custom_training_loop(kx):
+    model = small_model(kx)
+    policy = with_loss_scale(ODD)
+    ak.apply(model, policy)
+    opt = ak.optimizer(keras.optimizers.SGD(0.05), policy)
+    opt.build(model.trainable_variables)
+    loss_fn = keras.losses.MeanSquaredError()
+    x, y = regression(8)
+    start = float(kx.numpy(loss_fn(y, model(x))))
+    states = []
+    for found_inf in ODD_FOUND_INF:
+        _custom_step(model, opt, loss_fn, x, y, np.float32(np.inf if found_inf else 1.0))
+        states.append(opt.state)
+    assert states == trajectory(ODD, ODD_FOUND_INF)
+    assert all(np.isfinite(kx.numpy(v)).all() for v in model.weights)
+    assert float(kx.numpy(loss_fn(y, model(x)))) < start

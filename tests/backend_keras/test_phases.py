@@ -32,8 +32,8 @@ FOUND_INF = [False] * (STEPS * EPOCHS)
 FOUND_INF[7] = FOUND_INF[14] = True
 
 
-def model_and_data():
-    keras.utils.set_random_seed(0)
+def model_and_data(kx):
+    kx.seed(0)
     model = keras.Sequential([keras.Input((4,)), L.Dense(8, activation="relu", name="a"),
                               L.LayerNormalization(name="norm"), L.Dense(1, name="head")], name="small")
     rng = np.random.RandomState(0)
@@ -64,7 +64,7 @@ class Epochs(keras.callbacks.Callback):
 
 def test_three_phases_switch_dtypes_and_carry_state(kx):
     policy = ampbridge.loads(SCHEDULE)
-    model, x, y = model_and_data()
+    model, x, y = model_and_data(kx)
     ak.apply(model, policy)
     opt = ak.optimizer(keras.optimizers.Adam(1e-2), policy)
     model.compile(opt, "mse")
@@ -110,7 +110,7 @@ keep_float32 = ["kind:norm", "a"]
 [phase.loss_scale]
 reset = true
 """)
-    model, x, y = model_and_data()
+    model, x, y = model_and_data(kx)
     ak.apply(model, policy)
     opt = ak.optimizer(keras.optimizers.SGD(1e-2), policy)
     model.compile(opt, "mse")
@@ -120,3 +120,13 @@ reset = true
     assert phases.switches == [(0, 0), (4, 1)]
     assert [s.scale for s in log.states] == [128.0, 256.0, 512.0, 1024.0, 128.0, 256.0]
     assert model.get_layer("a").dtype_policy.name == "float32" and model.get_layer("head").compute_dtype == "float16"
+
+
+def test_schedule_needs_the_ampbridge_optimizer(kx):
+    policy = ampbridge.loads(SCHEDULE)
+    model, x, y = model_and_data(kx)
+    model.compile(keras.optimizers.SGD(), "mse")
+    import pytest
+
+    with pytest.raises(ampbridge.UnsupportedOptionError, match="ampbridge.keras.optimizer"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[ak.PhaseCallback(policy)])

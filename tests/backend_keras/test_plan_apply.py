@@ -114,7 +114,7 @@ def test_shared_layer_listed_once():
 
 @pytest.mark.parametrize("style", ["sequential", "functional", "subclassed"])
 def test_apply_runs_the_plan(kx, style):
-    keras.utils.set_random_seed(1)
+    kx.seed(1)
     if style == "sequential":
         model = keras.Sequential([keras.Input((5,)), L.Dense(8, name="a"), L.LayerNormalization(name="norm"),
                                   L.Dense(3, name="head")], name="seq")
@@ -151,7 +151,7 @@ def test_apply_pinned_mha_softmax_runs_float32(kx):
 
 
 def test_recast_changes_storage_keeps_values(kx):
-    keras.utils.set_random_seed(2)
+    kx.seed(2)
     model = keras.Sequential([keras.Input((4,)), L.Dense(6, name="a"), L.Dense(2, name="b")])
     x = np.random.RandomState(0).randn(3, 4).astype("float32")
     before = [kx.numpy(w) for w in model.weights]
