@@ -49,6 +49,7 @@ __all__ = [
     "PhaseCallback",
     "apply",
     "dtype_policy",
+    "kind_of",
     "layers",
     "load_model",
     "optimizer",
@@ -382,6 +383,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     """
     policy = _as_policy(policy)
     active = _phase0(policy)
+    set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
     described, by_path = _describe(model)
     requested = build_plan(described, active, framework="keras", warn=warn)
     optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
@@ -417,7 +419,6 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
             _rebuild_hook(layer, model, policy)
     if recast and _backend() == "torch":
         _refresh_torch_params(model)
-    set_matmul_precision(active.matmul_precision)
     _refresh_compiled(model)
     try:
         object.__setattr__(model, "_ampbridge_policy", policy)
@@ -568,9 +569,6 @@ def _host(x: Any) -> np.ndarray:
         return x.detach().cpu().numpy()
     return np.asarray(ops.convert_to_numpy(x))
 
-
-_STATE_NAMES = ("good_steps", "dynamic_scale", "hysteresis_left", "loss_scale_steps", "skipped_steps",
-                "min_scale_overflows")
 
 
 @keras.saving.register_keras_serializable(package="ampbridge")
