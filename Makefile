@@ -27,9 +27,12 @@ test: test-core test-all
 test-core: $(CORE_VENV)/.stamp
 	$(CORE_VENV)/bin/python -m pytest tests/core -q
 
-# every backend is required here: a missing framework fails instead of skipping
+# every backend is required here: a missing framework fails instead of skipping.
+# Keras picks its backend once per process, so its tests run again under JAX and torch.
 test-all: $(VENV)/.stamp
-	AMPBRIDGE_REQUIRE=all $(VENV)/bin/python -m pytest -q
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q tests/backend_keras
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q tests/backend_keras
 
 bench: $(VENV)/.stamp
 	$(VENV)/bin/python benchmarks/run.py

@@ -1,0 +1,1016 @@
+"""The Keras 3 backend: the Plan as per-layer dtype policies, and a loss-scaling optimizer.
+
+Works the same on Keras's TensorFlow, JAX and torch backends; it imports ``keras`` only (and
+``tensorflow`` only for the TF32 switch when TensorFlow is the active Keras backend).
+
+* :func:`apply` sets every layer's ``dtype_policy`` to its Plan row (compute / variable dtype),
+  re-casts built weights whose variable dtype changes (values kept), casts outputs where a row
+  (or the policy, for the model) asks for another output dtype, and sets ``matmul_precision``.
+* :func:`scope` builds models under the policy: the global Keras dtype policy, plus the
+  ``kind:``/``type:`` rules applied to each layer as it is created.
+* :func:`optimizer` wraps a Keras optimizer in :class:`LossScaleOptimizer`, a subclass of
+  Keras's own that runs ampbridge's reference loss-scale algorithm in ``keras.ops``.
+* :class:`PhaseCallback` switches phases of a precision schedule during ``fit``.
+
+Example:
+    >>> import keras, ampbridge
+    >>> policy = ampbridge.preset("mixed_float16").replace(keep_float32=("kind:norm",))
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="dense"),
+    ...                           keras.layers.LayerNormalization(name="norm")])
+    >>> model = ampbridge.keras.apply(model, policy)
+    >>> model.get_layer("dense").compute_dtype, model.get_layer("norm").compute_dtype
+    ('float16', 'float32')
+    >>> model.compile(ampbridge.keras.optimizer(keras.optimizers.SGD(), policy), "mse")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from ._loss_scale import LossScaleState, f32, initial_state
+from ._matching import compile_pattern
+from ._plan import Layer, Plan, PlanRow, build_plan, with_note
+from ._policy import LossScaleConfig, Policy
+from .errors import AmpBridgeWarning, LossScaleError, PolicyError, UnsupportedOptionError
+
+__all__ = [
+    "LossScaleCallback",
+    "LossScaleOptimizer",
+    "MixedDTypePolicy",
+    "PhaseCallback",
+    "apply",
+    "dtype_policy",
+    "kind_of",
+    "layers",
+    "load_model",
+    "optimizer",
+    "owns",
+    "plan",
+    "scope",
+    "set_matmul_precision",
+]
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _backend() -> str:
+    return keras.backend.backend()
+
+
+def _as_policy(policy: Policy | str) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        from ._io import PRESETS, load, preset
+
+        return preset(policy) if policy in PRESETS else load(policy)
+    raise TypeError(f"expected an ampbridge.Policy, a preset name or a policy file path; "
+                    f"received {policy!r} (of type {type(policy).__name__})")
+
+
+# --- dtype policies ---------------------------------------------------------------------------
+
+@keras.saving.register_keras_serializable(package="ampbridge")
+class MixedDTypePolicy(keras.DTypePolicy):
+    """A Keras dtype policy for the (compute, variable) pairs Keras has no name for.
+
+    Keras names ``mixed_float16`` (float16 compute, float32 variables), ``mixed_bfloat16`` and
+    single dtypes; ampbridge uses those whenever they fit (so a saved model needs nothing from
+    ampbridge to reload), and this class for the rest, e.g. float32 compute with bfloat16
+    storage. Its name is ``"<compute>/<variable>"``.
+
+    Keras's ``Layer.from_config`` turns every non-quantized policy into its name and parses it
+    with ``DTypePolicy``, which knows no such pair; so a layer config records the variable dtype
+    only (weights reload exactly, in their storage dtype) and :func:`load_model` re-applies the
+    compute dtype from the policy.
+
+    Example:
+        >>> MixedDTypePolicy("float32/bfloat16").variable_dtype
+        'bfloat16'
+    """
+
+    def _parse_name(self, name: str) -> tuple[str, str]:
+        compute, sep, variable = str(name).partition("/")
+        if not sep:
+            variable = compute
+        if compute not in _FLOATS or variable not in _FLOATS:
+            raise ValueError(f"MixedDTypePolicy name must be '<compute>/<variable>' (or one dtype) with float "
+                             f"dtypes ({', '.join(_FLOATS)}); received name={name!r}")
+        return compute, variable
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.variable_dtype}
+
+
+def dtype_policy(compute_dtype: str, param_dtype: str) -> keras.DTypePolicy:
+    """The Keras dtype policy computing in ``compute_dtype`` with variables in ``param_dtype``.
+
+    Example:
+        >>> dtype_policy("float16", "float32").name
+        'mixed_float16'
+    """
+    if compute_dtype == param_dtype:
+        return keras.DTypePolicy(compute_dtype)
+    if param_dtype == "float32" and compute_dtype in ("float16", "bfloat16"):
+        return keras.DTypePolicy(f"mixed_{compute_dtype}")
+    return MixedDTypePolicy(f"{compute_dtype}/{param_dtype}")
+
+
+def _same_policy(a: Any, b: Any) -> bool:
+    return (getattr(a, "compute_dtype", None), getattr(a, "variable_dtype", None)) == (
+        getattr(b, "compute_dtype", None), getattr(b, "variable_dtype", None))
+
+
+# --- layers, kinds and the Plan ---------------------------------------------------------------
+
+def _kind_table() -> list[tuple[tuple[type, ...], str]]:
+    L = keras.layers
+    norm = tuple(getattr(L, n) for n in ("BatchNormalization", "LayerNormalization", "GroupNormalization",
+                                          "UnitNormalization", "RMSNormalization") if hasattr(L, n))
+    conv = tuple(getattr(L, n) for n in (
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+        "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D") if hasattr(L, n))
+    attention = tuple(getattr(L, n) for n in ("MultiHeadAttention", "GroupedQueryAttention",
+                                               "Attention", "AdditiveAttention") if hasattr(L, n))
+    recurrent = tuple(getattr(L, n) for n in ("RNN", "Bidirectional", "LSTMCell", "GRUCell",
+                                               "SimpleRNNCell", "StackedRNNCells") if hasattr(L, n))
+    # most specific first: ConvLSTM subclasses RNN, so it stays recurrent
+    return [(norm, "norm"), ((L.Embedding,), "embedding"), ((L.Softmax,), "softmax"),
+            ((L.Dense, L.EinsumDense), "linear"), (attention, "attention"), (recurrent, "recurrent"),
+            (conv, "conv")]
+
+
+_KINDS: list[tuple[tuple[type, ...], str]] | None = None
+
+
+def kind_of(layer: Any) -> str | None:
+    """The portable kind of a Keras layer: its ``ampbridge_kind`` attribute, else its class."""
+    declared = getattr(layer, "ampbridge_kind", None)
+    if declared is not None:
+        return declared
+    global _KINDS
+    if _KINDS is None:
+        _KINDS = _kind_table()
+    for classes, kind in _KINDS:
+        if isinstance(layer, classes):
+            return kind
+    return None
+
+
+# Built-in composite layers create some sublayers with auto-generated, process-dependent names
+# ("softmax_7"); their path segment is the role instead, so a Plan is stable across runs.
+_ROLE_NAMES = {"_softmax": "softmax", "_dropout_layer": "dropout"}
+
+
+def _children(layer: Any) -> list[tuple[str, Any]]:
+    out = []
+    for child in layer._flatten_layers(include_self=False, recursive=False):
+        if isinstance(child, keras.layers.InputLayer):
+            continue
+        name = child.name
+        for attr, role in _ROLE_NAMES.items():
+            if getattr(layer, attr, None) is child:  # torch keeps sublayers in _modules, not __dict__
+                name = role
+        out.append((name.replace("/", "."), child))
+    return out
+
+
+def layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, layer)`` for the model (path ``""``) and every nested layer, depth first.
+
+    Paths join the layers' names with ``.``; a layer reached twice (shared) is listed once, at
+    its first path; sublayers of Keras's attention layers that Keras names automatically are
+    named by role (``mha.softmax``, ``mha.dropout``).
+
+    Example:
+        >>> import keras
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
+        >>> [path for path, _ in layers(m)]
+        ['', 'head']
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"expected a Keras layer or model; received {type(model).__qualname__}")
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", model)]
+    while stack:
+        path, layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield path, layer
+        kids, used = [], set()
+        for name, child in _children(layer):
+            segment, n = name, 1
+            while segment in used:  # siblings with one name (possible in subclassed models)
+                n += 1
+                segment = f"{name}_{n}"
+            used.add(segment)
+            kids.append((f"{path}.{segment}" if path else segment, child))
+        stack.extend(reversed(kids))
+
+
+def _own_params(layer: Any) -> int:
+    return sum(int(np.prod(v.shape)) for v in layer._trainable_variables + layer._non_trainable_variables)
+
+
+def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
+    described, by_path = [], {}
+    for path, layer in layers(model):
+        described.append(Layer(path, kind_of(layer), type(layer).__name__, _own_params(layer)))
+        by_path[path] = layer
+    return described, by_path
+
+
+_INTERNAL_FLOAT32 = ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization")
+
+
+def _adjuster(policy: Policy, by_path: dict[str, Any]):
+    backend = _backend()
+    norms = tuple(getattr(keras.layers, n) for n in _INTERNAL_FLOAT32 if hasattr(keras.layers, n))
+
+    def adjust(row: PlanRow) -> PlanRow:
+        layer, notes, changes = by_path[row.path], [], {}
+        half = row.compute_dtype in ("float16", "bfloat16")
+        if row.path == "" and row.output_dtype != policy.output_dtype:
+            notes.append(f"model outputs cast to output_dtype {policy.output_dtype}")
+            changes["output_dtype"] = policy.output_dtype
+        if half and isinstance(layer, norms):
+            # ops.layer_normalization / batch_normalization / rms_normalization upcast to float32
+            notes.append(f"Keras normalises in float32 internally, output {row.output_dtype}")
+            changes["compute_dtype"] = "float32"
+        if row.compute_dtype == "float16" and isinstance(layer, keras.layers.Softmax) and backend == "torch":
+            if str(keras.src.backend.torch.core.get_device()) == "cpu":
+                notes.append("Keras-on-torch computes float16 softmax in float32 internally on CPU")
+                changes["compute_dtype"] = "float32"
+        parent = by_path.get(row.path.rsplit(".", 1)[0]) if "." in row.path else None
+        if row.path.endswith((".softmax", ".dropout")) and isinstance(parent, keras.layers.MultiHeadAttention):
+            notes.append("runs only when MultiHeadAttention takes its explicit path (dropout > 0, attention "
+                         "scores returned, or inputs not 3-D); otherwise ops.dot_product_attention "
+                         "computes the softmax itself")
+        if half and isinstance(layer, keras.layers.MultiHeadAttention) and backend in ("tensorflow", "jax"):
+            notes.append("ops.dot_product_attention computes logits and softmax in float32")
+        return with_note(row, "; ".join(notes), **changes) if notes else row
+
+    return adjust
+
+
+def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
+    """The Plan of a Keras model under a policy: one row per layer, what will actually run.
+
+    Rows where Keras itself overrides the request say so in their ``note`` (norm layers
+    normalise in float32 whatever their compute dtype; see the README's Keras section).
+
+    Example:
+        >>> import keras, ampbridge
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
+        >>> plan(m, ampbridge.preset("mixed_bfloat16"))["head"].compute_dtype
+        'bfloat16'
+    """
+    policy = _as_policy(policy)
+    described, by_path = _describe(model)
+    return build_plan(described, policy, framework=f"keras ({_backend()})",
+                      adjust=_adjuster(_phase0(policy), by_path), warn=warn)
+
+
+def _phase0(policy: Policy) -> Policy:
+    return policy.at(step=0, epoch=0) if policy.phases else policy
+
+
+def owns(obj: Any) -> bool:
+    """Whether ``obj`` is a Keras layer or model (what this backend plans and applies to)."""
+    return isinstance(obj, keras.layers.Layer)
+
+
+# --- apply ------------------------------------------------------------------------------------
+
+_CAST_MARK = "_ampbridge_output_dtype"
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return keras.backend.standardize_dtype(dtype) in _FLOATS
+    except ValueError:
+        return False
+
+
+def _set_output_cast(layer: Any, dtype: str | None) -> None:
+    """Cast the layer's float outputs to ``dtype`` (None: remove an ampbridge cast)."""
+    current = layer.__dict__.get("call")
+    if current is not None and hasattr(current, _CAST_MARK):
+        if getattr(current, _CAST_MARK) == dtype:
+            return
+        inner = current.__wrapped__
+        if getattr(inner, "__func__", None) is type(layer).call:
+            del layer.__dict__["call"]  # back to the class's own call
+        else:
+            object.__setattr__(layer, "call", inner)
+    if dtype is None:
+        return
+    inner = layer.call
+
+    @functools.wraps(inner)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return keras.tree.map_structure(lambda t: _cast_float(t, dtype), inner(*args, **kwargs))
+
+    setattr(call, _CAST_MARK, dtype)
+    # an instance attribute: Layer.__call__ runs self.call, on every backend and inside jit
+    object.__setattr__(layer, "call", call)
+
+
+def _cast_float(t: Any, dtype: str) -> Any:
+    if _is_float(t) and keras.backend.standardize_dtype(t.dtype) != dtype:
+        return ops.cast(t, dtype)
+    return t
+
+
+def _recast_variables(layer: Any, old_dtype: str, new_dtype: str) -> bool:
+    """Re-create the layer's own variables that follow its policy in ``new_dtype``, values kept."""
+    changed = False
+    for v in layer._trainable_variables + layer._non_trainable_variables:
+        if keras.backend.standardize_dtype(v._dtype) != old_dtype or old_dtype not in _FLOATS:
+            continue  # created with an explicit dtype (int counters, float32 LoRA...): left alone
+        value = ops.cast(v.value, new_dtype)
+        v._dtype = new_dtype
+        v._initialize(value)  # same Variable object: layers, lists and trackers stay valid
+        changed = True
+    return changed
+
+
+def _refresh_torch_params(model: Any) -> None:
+    # torch.nn.Module keeps its own ParameterDict of the variables' tensors
+    for _, layer in layers(model):
+        if "_torch_params" in layer.__dict__ or hasattr(layer, "_torch_params"):
+            layer._track_variables()
+
+
+def _refresh_compiled(model: Any) -> None:
+    # traced train/test/predict functions baked in the old dtypes: rebuild them (lazily traced)
+    for kind in ("train", "test", "predict"):
+        if getattr(model, f"{kind}_function", None) is not None:
+            getattr(model, f"make_{kind}_function")(force=True)
+
+
+def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
+    """Make every layer of ``model`` run its Plan row; returns the model (changed in place).
+
+    Each layer's ``dtype_policy`` becomes its row's (compute, param) pair; a built layer whose
+    variable dtype changes has its variables re-created in the new dtype with the same values;
+    a row whose output dtype differs from its compute dtype, every composite layer (its output
+    is its last sublayer's otherwise) and the model itself (to ``output_dtype``) get their
+    float outputs cast. Layers not yet built are set up now and
+    re-checked when they build (composite layers create their sublayers then). Compiled
+    train/test/predict functions are rebuilt, and ``matmul_precision`` is set process-wide.
+    Calling it again with another policy re-applies cleanly.
+
+    Example:
+        >>> import keras, ampbridge
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
+        >>> m = apply(m, ampbridge.preset("mixed_float16"))
+        >>> m.get_layer("head").dtype_policy.name, keras.backend.standardize_dtype(m(keras.ops.ones((1, 2))).dtype)
+        ('mixed_float16', 'float32')
+    """
+    policy = _as_policy(policy)
+    active = _phase0(policy)
+    set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
+    described, by_path = _describe(model)
+    requested = build_plan(described, active, framework="keras", warn=warn)
+    optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
+    recast = False
+    for row in requested:
+        layer = by_path[row.path]
+        if getattr(layer.dtype_policy, "quantization_mode", None) is not None:
+            if (layer.compute_dtype, layer.variable_dtype) != (row.compute_dtype, row.param_dtype):
+                raise UnsupportedOptionError(
+                    f"layer {row.path or '(model)'!r} is quantized ({layer.dtype_policy.name}); ampbridge "
+                    f"cannot give it compute_dtype={row.compute_dtype}, param_dtype={row.param_dtype}")
+            continue
+        new = dtype_policy(row.compute_dtype, row.param_dtype)
+        old_variable_dtype = layer.variable_dtype
+        if not _same_policy(layer.dtype_policy, new):
+            if layer.built and old_variable_dtype != row.param_dtype and (
+                    layer._trainable_variables or layer._non_trainable_variables):
+                if optimizer_built:
+                    raise UnsupportedOptionError(
+                        f"param_dtype={row.param_dtype} for layer {row.path or '(model)'!r}: its variables "
+                        f"are {old_variable_dtype} and the model's optimizer is already built on them; "
+                        "apply the policy before compiling/training, or build the model under "
+                        "ampbridge.keras.scope(policy)")
+                recast |= _recast_variables(layer, old_variable_dtype, row.param_dtype)
+            layer.dtype_policy = new
+        wanted = policy.output_dtype if row.path == "" else row.output_dtype
+        # Keras layers emit their compute dtype; a composite layer emits whatever its last
+        # sublayer does (a pinned norm at the end of an unpinned block: float32), so composites
+        # always get the cast (a no-op where the dtype already matches)
+        composite = bool(layer._layers)
+        _set_output_cast(layer, wanted if wanted != row.compute_dtype or composite else None)
+        if not layer.built:
+            _rebuild_hook(layer, model, policy)
+    if recast and _backend() == "torch":
+        _refresh_torch_params(model)
+    _refresh_compiled(model)
+    try:
+        object.__setattr__(model, "_ampbridge_policy", policy)
+    except AttributeError:  # pragma: no cover - exotic layer classes
+        pass
+    return model
+
+
+def _rebuild_hook(layer: Any, model: Any, policy: Policy) -> None:
+    """Re-apply once ``layer`` is built, if building created sublayers (MultiHeadAttention...)."""
+    build = layer.build
+    if getattr(build, "_ampbridge_hook", False):
+        build = build.__wrapped__
+    root = weakref.ref(model)
+
+    @functools.wraps(build)
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        before = len(layer._flatten_layers(include_self=False))
+        out = build(*args, **kwargs)
+        object.__setattr__(layer, "build", build)
+        owner = root()
+        if owner is not None and len(layer._flatten_layers(include_self=False)) != before:
+            apply(owner, policy, warn=False)
+        return out
+
+    hooked._ampbridge_hook = True  # type: ignore[attr-defined]
+    object.__setattr__(layer, "build", hooked)
+
+
+# --- matmul precision -------------------------------------------------------------------------
+
+def set_matmul_precision(precision: str) -> None:
+    """Set float32 matmul precision for the active Keras backend (process-wide).
+
+    ``highest``: full float32; ``high``: TF32 allowed (TensorFlow's TF32 switch, JAX
+    ``"high"``, torch ``"high"``); ``medium``: bfloat16 passes allowed (JAX ``"bfloat16"``, torch
+    ``"medium"``; TensorFlow has no such mode, so it is an error there).
+    """
+    accepted = ("highest", "high", "medium")
+    if precision not in accepted:
+        raise PolicyError(f"matmul_precision: received {precision!r}; accepted: {', '.join(accepted)}")
+    backend = _backend()
+    if backend == "tensorflow":
+        if precision == "medium":
+            raise UnsupportedOptionError(
+                "matmul_precision='medium' (bfloat16 passes for float32 matmuls) has no TensorFlow "
+                "equivalent; accepted on the TensorFlow backend: 'highest' (TF32 off) or 'high' (TF32 on)")
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(precision == "high")
+    elif backend == "jax":
+        import jax
+
+        # XLA:CPU always multiplies float32 in float32 (and rejects a "highest" precision on
+        # float16 dots), so the setting only reaches GPUs and TPUs
+        if jax.default_backend() != "cpu":
+            jax.config.update("jax_default_matmul_precision",
+                              {"highest": "highest", "high": "high", "medium": "bfloat16"}[precision])
+    elif backend == "torch":
+        import torch
+
+        torch.set_float32_matmul_precision(precision)
+    elif precision != "highest":
+        raise UnsupportedOptionError(f"matmul_precision={precision!r} is not supported on the Keras "
+                                     f"{backend!r} backend; accepted there: 'highest'")
+
+
+# --- scope ------------------------------------------------------------------------------------
+
+def _creation_rule(policy: Policy, layer: Any) -> tuple[str, str] | None:
+    """The (compute, param) dtypes of the last kind:/type: rule matching a new layer, or None."""
+    kind, cls = kind_of(layer), type(layer).__name__
+    for _, rule in reversed(policy.rules):
+        for text in rule.match:
+            if text.startswith(("kind:", "type:")) and compile_pattern(text).matches("", kind, cls):
+                return (rule.compute_dtype or policy.compute_dtype, rule.param_dtype or policy.param_dtype)
+    return None
+
+
+@contextlib.contextmanager
+def scope(policy: Policy | str) -> Iterator[Policy]:
+    """Build models under ``policy``: the global Keras dtype policy is the policy's, and each
+    layer created inside gets the ``kind:``/``type:`` rules that match it (before it builds,
+    so its variables are created in the right dtype). Path rules need the finished model:
+    call :func:`apply` after building (it changes only what differs). The previous global
+    policy is restored on exit, even on error.
+
+    Example:
+        >>> import keras, ampbridge
+        >>> with scope(ampbridge.preset("mixed_float16").replace(keep_float32=("kind:norm",))):
+        ...     dense, norm = keras.layers.Dense(2), keras.layers.LayerNormalization()
+        >>> dense.dtype_policy.name, norm.dtype_policy.name, keras.config.dtype_policy().name
+        ('mixed_float16', 'float32', 'float32')
+    """
+    policy = _phase0(_as_policy(policy))
+    previous = keras.config.dtype_policy()
+    layer_class = keras.layers.Layer
+    original_init = layer_class.__dict__["__init__"]
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        decided = _creation_rule(policy, self)
+        if decided is not None:
+            self._dtype_policy = dtype_policy(*decided)
+
+    keras.config.set_dtype_policy(dtype_policy(policy.compute_dtype, policy.param_dtype))
+    layer_class.__init__ = init
+    try:
+        yield policy
+    finally:
+        layer_class.__init__ = original_init
+        keras.config.set_dtype_policy(previous)
+
+
+# --- the loss-scaling optimizer ---------------------------------------------------------------
+
+def _config_from(value: LossScaleConfig | dict[str, Any]) -> LossScaleConfig:
+    cfg = value if isinstance(value, LossScaleConfig) else LossScaleConfig(**value)
+    if cfg.mode == "auto":
+        raise ValueError("resolve loss_scale mode 'auto' first: LossScaleConfig.resolve(compute_dtype)")
+    return cfg
+
+
+def _concrete(x: Any) -> bool:
+    """Whether ``x`` has a value now (eager), not inside a traced tf.function or jax.jit."""
+    backend = _backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    if backend == "jax":
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    return True
+
+
+def _host(x: Any) -> np.ndarray:
+    """A tensor or variable's value on the host (a sync)."""
+    if isinstance(x, keras.Variable):
+        x = x.value
+    if _backend() == "tensorflow":  # np.array(tf.Variable) warns under numpy 2
+        import tensorflow as tf
+
+        return np.asarray(tf.convert_to_tensor(x).numpy())
+    if _backend() == "torch":  # as is np.array(torch.Tensor)
+        return x.detach().cpu().numpy()
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+
+@keras.saving.register_keras_serializable(package="ampbridge")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras's ``LossScaleOptimizer`` running ampbridge's reference loss-scale algorithm.
+
+    Every setting of ``[loss_scale]`` is honoured (growth and backoff factors, interval,
+    hysteresis, ``consecutive_hysteresis``, min/max, ``on_min_scale``, static and none modes,
+    ``skip_nonfinite``), in backend-agnostic ``keras.ops``, for ``fit`` on every backend
+    (``scale_loss`` / ``apply`` / ``stateless_apply``) and for custom loops. A skipped step
+    leaves the weights and the inner optimizer's variables untouched. The state (all five
+    reference fields, plus the count of overflows at ``min_scale``) is optimizer variables,
+    so ``model.save`` / checkpoints carry it. Build one with :func:`optimizer`.
+
+    ``on_min_scale = "warn" | "error"`` needs the host to look at the state after a step:
+    eager steps check it themselves; under a compiled ``fit`` pass
+    ``callbacks=[ampbridge.keras.LossScaleCallback()]`` (or a :class:`PhaseCallback`); a compiled
+    custom loop sets ``optimizer.host_checked = True`` and calls ``optimizer.check_min_scale()``
+    after each step. Tracing without either is an error rather than a silently ignored setting.
+    """
+
+    def __init__(self, inner_optimizer: Any, loss_scale: LossScaleConfig | dict[str, Any] | None = None,
+                 policy: Policy | dict[str, Any] | None = None, name: str | None = None, **kwargs: Any):
+        cfg = _config_from(loss_scale if loss_scale is not None else LossScaleConfig(mode="dynamic"))
+        start = initial_state(cfg)
+        super().__init__(inner_optimizer, initial_scale=start.scale,
+                         dynamic_growth_steps=cfg.growth_interval, name=name, **kwargs)
+        # the policy rides along (in get_config, so in .keras files) for load_model to re-apply
+        self.policy = Policy.from_dict(policy) if isinstance(policy, dict) else policy
+        self._config = cfg
+        self.host_checked = False
+        self._overflows_seen = 0
+        self._jitted_apply = None
+
+    # --- configuration ---
+
+    @property
+    def loss_scale_config(self) -> LossScaleConfig:
+        """The resolved loss-scale settings in force."""
+        return self._config
+
+    def set_loss_scale_config(self, config: LossScaleConfig, *, reset: bool = False) -> None:
+        """Switch settings (a phase boundary). State carries over unless ``reset`` or the mode
+        changes (a scale kept by a ``none``/``static`` phase means nothing to a dynamic one);
+        then scale, good_steps and hysteresis_left restart and the step counters continue.
+        Rebuild traced train functions afterwards (:class:`PhaseCallback` does)."""
+        config = _config_from(config)
+        restart = reset or config.mode != self._config.mode
+        self._config = config
+        self._jitted_apply = None  # the settings are baked into the compiled step
+        self.initial_scale = initial_state(config).scale
+        self.dynamic_growth_steps = config.growth_interval
+        if self.built and restart:
+            start = initial_state(config)
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(np.float32(start.scale))
+            self.hysteresis_left.assign(start.hysteresis_left)
+
+    # --- state ---
+
+    def build(self, var_list: Any) -> None:
+        super().build(var_list)  # step_counter (= good_steps), dynamic_scale, inner optimizer
+        from keras.src.utils import tracking
+
+        @tracking.no_automatic_dependency_tracking
+        def extra() -> None:
+            start = initial_state(self._config)
+            self.dynamic_scale.assign(np.float32(start.scale))
+            for attr, init in (("hysteresis_left", start.hysteresis_left), ("loss_scale_steps", 0),
+                               ("skipped_steps", 0), ("min_scale_overflows", 0)):
+                setattr(self, attr, self.add_variable(
+                    shape=(), dtype="int32", initializer=keras.initializers.Constant(init),
+                    aggregation="none", name=attr))
+
+        extra()
+
+    @property
+    def _state_variables(self) -> list[Any]:
+        # good_steps, scale, hysteresis_left, steps, skipped, overflows at min_scale
+        return [self.step_counter, self.dynamic_scale, self.hysteresis_left, self.loss_scale_steps,
+                self.skipped_steps, self.min_scale_overflows]
+
+    @property
+    def state(self) -> LossScaleState:
+        """The loss-scale state as the core's :class:`ampbridge.LossScaleState` (reads values)."""
+        if not self.built:
+            return initial_state(self._config)
+        own = [_host(v) for v in self._state_variables[:5]]
+        return LossScaleState(scale=float(own[1]), good_steps=int(own[0]), hysteresis_left=int(own[2]),
+                              steps=int(own[3]), skipped=int(own[4]))
+
+    def set_state(self, state: LossScaleState) -> None:
+        """Overwrite the loss-scale state (all five fields)."""
+        if not self.built:
+            raise ValueError("build the optimizer first: optimizer.build(model.trainable_variables)")
+        for v, x in zip(self._state_variables[:5], (state.good_steps, np.float32(state.scale),
+                                              state.hysteresis_left, state.steps, state.skipped)):
+            v.assign(x)
+
+    @property
+    def scale(self) -> Any:
+        """The current loss scale (a float32 tensor once built)."""
+        return self.dynamic_scale if self.built else self.initial_scale
+
+    def scale_loss(self, loss: Any) -> Any:
+        if self._config.mode == "none":
+            return loss
+        return super().scale_loss(loss)
+
+    # --- the algorithm, in keras.ops (the same numbers as ampbridge._loss_scale.next_state) ---
+
+    def _next_state(self, own: list[Any], found_inf: Any) -> list[Any]:
+        cfg = self._config
+        good, scale, hyst, steps, skipped, overflows = own
+        one = ops.cast(1, "int32")
+        inf_i = ops.cast(found_inf, "int32")
+        steps_new = ops.add(steps, one)
+        skipped_new = ops.add(skipped, inf_i) if cfg.skip_nonfinite else skipped
+        if cfg.mode != "dynamic":
+            return [good, scale, hyst, steps_new, skipped_new, overflows]
+        backoff_now = ops.logical_and(found_inf, ops.less_equal(hyst, 1))
+        backed = ops.multiply(scale, np.float32(f32(cfg.backoff_factor)))
+        if cfg.min_scale is not None:
+            lo = np.float32(f32(cfg.min_scale))
+            at_min = ops.logical_and(backoff_now, ops.equal(scale, lo))
+            backed = ops.maximum(backed, lo)
+        good_plus = ops.add(good, one)
+        grow = ops.logical_and(ops.logical_not(found_inf), ops.equal(good_plus, cfg.growth_interval))
+        candidate = ops.multiply(scale, np.float32(f32(cfg.growth_factor)))
+        grown = candidate if cfg.max_scale is None else ops.minimum(candidate, np.float32(f32(cfg.max_scale)))
+        grown = ops.where(ops.isfinite(candidate), grown, scale)
+        scale_new = ops.where(found_inf, ops.where(backoff_now, backed, scale), ops.where(grow, grown, scale))
+        good_new = ops.where(ops.logical_or(found_inf, grow), ops.zeros_like(good), good_plus)
+        hyst_on_inf = ops.where(backoff_now, hyst, ops.subtract(hyst, one))
+        refill = ops.full_like(hyst, cfg.hysteresis)
+        hyst_on_ok = refill if cfg.consecutive_hysteresis else ops.where(grow, refill, hyst)
+        hyst_new = ops.where(found_inf, hyst_on_inf, hyst_on_ok)
+        new = [good_new, scale_new, hyst_new, steps_new, skipped_new, overflows]
+        if cfg.min_scale is not None:
+            if cfg.on_min_scale == "error":
+                # the reference raises before changing anything: keep the step's state as it was
+                new = [ops.where(at_min, old, n) for old, n in zip(own[:5], new[:5])] + [overflows]
+            new[5] = ops.add(overflows, ops.cast(at_min, "int32"))
+        return new
+
+    def _unscale(self, grads: list[Any], scale: Any) -> list[Any]:
+        if self._config.mode == "none":
+            return list(grads)
+        return [g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, scale)
+                for g, v in zip(grads, self._trainable_variables)]
+
+    def _needs_host_check(self) -> bool:
+        return self._config.min_scale is not None and self._config.on_min_scale in ("warn", "error")
+
+    def _guard_traced(self, x: Any) -> None:
+        if self._needs_host_check() and not _concrete(x) and not self.host_checked:
+            raise UnsupportedOptionError(
+                f"loss_scale.on_min_scale={self._config.on_min_scale!r} needs a host-side check after each "
+                "compiled step: pass callbacks=[ampbridge.keras.LossScaleCallback()] to fit (a PhaseCallback "
+                "does it too), or run_eagerly=True; in a compiled custom loop set optimizer.host_checked = "
+                "True and call optimizer.check_min_scale() after each step")
+
+    def check_min_scale(self, overflows: Any = None) -> None:
+        """Warn (once) or raise :class:`ampbridge.LossScaleError` if a step overflowed at
+        ``min_scale`` since the last check (``on_min_scale`` decides). Reads a variable: a host
+        sync; eager steps call it themselves."""
+        if not self._needs_host_check() or not self.built:
+            return
+        if overflows is None:
+            overflows = self.min_scale_overflows.value
+        count = int(_host(overflows))
+        if count <= self._overflows_seen:
+            return
+        first = self._overflows_seen == 0
+        self._overflows_seen = count
+        message = (f"loss scale overflowed at min_scale={self._config.min_scale} "
+                   f"({count} time{'s' if count > 1 else ''} so far)")
+        if self._config.on_min_scale == "error":
+            raise LossScaleError(message + "; on_min_scale='error' stops the run")
+        if first:
+            warnings.warn(message + "; gradients still overflow at the floor", AmpBridgeWarning, stacklevel=3)
+
+    # --- stateful apply (TensorFlow, torch; JAX goes through stateless_apply) ---
+
+    def _apply_inner(self, grads: Any, trainable_variables: Any, scale: Any) -> None:
+        self.inner_optimizer.apply(self._unscale(grads, scale), trainable_variables=trainable_variables)
+
+    def _own_values(self) -> list[Any]:
+        return [v.value for v in self._state_variables]
+
+    def _assign_own(self, values: list[Any]) -> None:
+        for v, x in zip(self._state_variables, values):
+            v.assign(x)
+
+    def _stateful_handle_finite_grads(self, grads: Any, trainable_variables: Any) -> None:
+        own = self._own_values()
+        self._apply_inner(grads, trainable_variables, own[1])
+        self._assign_own(self._next_state(own, ops.convert_to_tensor(False)))
+
+    def _stateful_handle_non_finite_grads(self) -> None:
+        if not self._config.skip_nonfinite:
+            raise UnsupportedOptionError("loss_scale.skip_nonfinite=false is not supported with a "
+                                         "tf.distribute strategy that needs merge_call")
+        self._assign_own(self._next_state(self._own_values(), ops.convert_to_tensor(True)))
+
+    def _common_apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        finite = self.check_finite(grads)
+        self._guard_traced(finite)
+        own = self._own_values()
+        if self._config.skip_nonfinite:
+            ops.cond(finite, lambda: self._apply_inner(grads, trainable_variables, own[1]), lambda: None)
+        else:
+            self._apply_inner(grads, trainable_variables, own[1])
+        self._assign_own(self._next_state(own, ops.logical_not(finite)))
+        if self._needs_host_check() and _concrete(finite):
+            self.check_min_scale()
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        if _backend() != "jax":
+            return super().apply(grads, trainable_variables)
+        # JAX: ops.cond is lax.cond, which cannot hold stateful assignments: go functional
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        if self._jitted_apply is None:  # eager lax.cond re-traces every call: compile the step once
+            import jax
+
+            self._jitted_apply = jax.jit(functools.partial(self.stateless_apply, _host_checks_after=True))
+        new_weights, new_state = self._jitted_apply([v.value for v in self.variables], list(grads),
+                                                    [v.value for v in variables])
+        for v, x in zip(variables, new_weights):
+            v.assign(x)
+        for v, x in zip(self.variables, new_state):
+            v.assign(x)
+        if self._needs_host_check() and _concrete(new_state[0]):
+            self.check_min_scale()
+
+    # --- stateless apply (JAX fit, and any functional use) ---
+
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any,
+                        _host_checks_after: bool = False) -> Any:
+        if not self.built:
+            raise ValueError(f"To call `stateless_apply`, {self.__class__.__name__} must be built (i.e. its "
+                             "variables must have been created). You can build it via "
+                             "`optimizer.build(trainable_variables)`.")
+        n = len(self._variables)
+        own, inner = list(optimizer_variables[:n]), list(optimizer_variables[n:])
+        where = [next(i for i, v in enumerate(self._variables) if v is s) for s in self._state_variables]
+        finite = self.check_finite(grads)
+        if not _host_checks_after:
+            self._guard_traced(finite)
+        scale = own[where[1]]
+
+        def step() -> Any:
+            new_weights, new_inner = self.inner_optimizer.stateless_apply(
+                inner, self._unscale(grads, scale), trainable_variables)
+            return list(new_weights), list(new_inner)
+
+        if self._config.skip_nonfinite:
+            new_weights, new_inner = ops.cond(finite, step, lambda: (list(trainable_variables), inner))
+        else:
+            new_weights, new_inner = step()
+        for i, x in zip(where, self._next_state([own[i] for i in where], ops.logical_not(finite))):
+            own[i] = x
+        return new_weights, own + list(new_inner)
+
+    # --- serialisation ---
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "loss_scale": {f: getattr(self._config, f) for f in (
+                "mode", "initial_scale", "growth_factor", "backoff_factor", "growth_interval",
+                "hysteresis", "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale",
+                "skip_nonfinite")},
+            "policy": self.policy.to_dict() if self.policy is not None else None,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> "LossScaleOptimizer":
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                      custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+def optimizer(inner: Any, policy: Policy | str) -> LossScaleOptimizer:
+    """Wrap a Keras optimizer (instance or name) in ampbridge's :class:`LossScaleOptimizer`.
+
+    The loss-scale settings are the policy's (its first phase's, for a schedule), with mode
+    ``auto`` resolved against the compute dtype. ``reduce_dtype`` only matters for a
+    distributed all-reduce: with a multi-replica distribution active it must equal
+    ``param_dtype`` (Keras reduces gradients in the variables' dtype), else it is an error.
+
+    Example:
+        >>> import keras, ampbridge
+        >>> opt = optimizer(keras.optimizers.Adam(1e-3), ampbridge.preset("mixed_float16"))
+        >>> opt.loss_scale_config.mode, opt.initial_scale
+        ('dynamic', 65536.0)
+    """
+    policy = _as_policy(policy)
+    active = _phase0(policy)
+    inner = keras.optimizers.get(inner)
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise TypeError(f"optimizer() wraps a plain Keras optimizer; received a {type(inner).__name__}, "
+                        "which already scales the loss (pass its inner_optimizer)")
+    if active.reduce_dtype != active.param_dtype and _replicas() > 1:
+        raise UnsupportedOptionError(
+            f"reduce_dtype={active.reduce_dtype} with param_dtype={active.param_dtype}: Keras all-reduces "
+            "gradients in the variables' dtype; set reduce_dtype to the param_dtype")
+    return LossScaleOptimizer(inner, loss_scale=active.resolved_loss_scale, policy=policy)
+
+
+def _replicas() -> int:
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        return max(1, int(np.prod(distribution.device_mesh.shape)))
+    if _backend() == "tensorflow":
+        import tensorflow as tf
+
+        return int(tf.distribute.get_strategy().num_replicas_in_sync)
+    return 1
+
+
+def load_model(filepath: Any, policy: Policy | str | None = None, **kwargs: Any) -> Any:
+    """``keras.saving.load_model`` plus :func:`apply`, so output casts come back too.
+
+    Keras saves each layer's dtype policy and the optimizer (loss-scale state included); the
+    casts ampbridge adds to outputs live on the model object, so they are re-applied here from
+    ``policy``, or from the policy stored with the model's :class:`LossScaleOptimizer`.
+
+    Example:
+        >>> # model.save("run.keras"); model = ampbridge.keras.load_model("run.keras")
+    """
+    model = keras.saving.load_model(filepath, **kwargs)
+    if policy is None:
+        policy = getattr(getattr(model, "optimizer", None), "policy", None)
+    if policy is not None:
+        apply(model, policy, warn=False)
+    return model
+
+
+# --- callbacks --------------------------------------------------------------------------------
+
+class LossScaleCallback(keras.callbacks.Callback):
+    """Enforces ``on_min_scale = "warn" | "error"`` during a compiled ``fit``.
+
+    After each batch it reads the count of overflows at ``min_scale`` (one host sync per
+    step, only when those modes are set) and warns once or raises
+    :class:`ampbridge.LossScaleError`.
+    """
+
+    def _optimizer(self) -> LossScaleOptimizer | None:
+        opt = getattr(self.model, "optimizer", None)
+        return opt if isinstance(opt, LossScaleOptimizer) else None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        opt = self._optimizer()
+        if opt is not None:
+            opt.host_checked = True
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        opt = self._optimizer()
+        if opt is None or not opt._needs_host_check() or not opt.built:
+            return
+        jax_state = getattr(self.model, "_jax_state", None)
+        if jax_state:
+            index = next(i for i, v in enumerate(opt.variables) if v is opt.min_scale_overflows)
+            opt.check_min_scale(jax_state["optimizer_variables"][index])
+        else:
+            opt.check_min_scale()
+
+
+class PhaseCallback(LossScaleCallback):
+    """Runs a policy's ``[[phase]]`` schedule during ``fit``.
+
+    At each epoch (or step, for an ``until_step`` schedule) boundary it re-applies the phase's
+    policy to the model (layer dtype policies, pins, output casts; variables re-cast only
+    where the param dtype changes), switches the optimizer's loss-scale settings (state carried
+    over, or restarted when the phase says ``reset = true`` or the mode changes) and rebuilds
+    the traced train function. The inner optimizer's moments are never touched.
+
+    Example:
+        >>> import ampbridge
+        >>> cb = PhaseCallback(ampbridge.loads('compute_dtype = "float16"\\n[[phase]]\\nuntil_epoch = 1\\n'
+        ...                                    'compute_dtype = "float32"'))
+        >>> cb.policy.phase_unit
+        'epoch'
+    """
+
+    def __init__(self, policy: Policy | str):
+        super().__init__()
+        self.policy = _as_policy(policy)
+        self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
+        self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
+        self._step = 0
+        self._epoch_first_step = 0
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        super().on_train_begin(logs)
+        opt = self._optimizer()
+        modes = {p.policy.resolved_loss_scale.mode for p in self.policy.phases} | {
+            self.policy.replace(phases=()).resolved_loss_scale.mode}
+        if opt is None and modes != {"none"}:
+            raise UnsupportedOptionError(
+                f"this schedule needs loss scaling ({', '.join(sorted(modes - {'none'}))}) but the model's "
+                f"optimizer is a {type(getattr(self.model, 'optimizer', None)).__name__}; compile with "
+                "ampbridge.keras.optimizer(inner, policy)")
+        if opt is not None:
+            self._step = opt.state.steps  # every step seen, skipped ones included
+        elif getattr(self.model, "optimizer", None) is not None:
+            self._step = int(ops.convert_to_numpy(self.model.optimizer.iterations))
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch_first_step = self._step
+        if self.policy.phase_unit != "step":
+            self._enter(self.policy.phase_index(epoch=epoch) if self.policy.phases else None, epoch, epoch=epoch)
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._step = self._epoch_first_step + batch
+        if self.policy.phase_unit == "step":
+            self._enter(self.policy.phase_index(step=self._step), self._step, step=self._step)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        super().on_train_batch_end(batch, logs)
+        self._step = self._epoch_first_step + batch + 1
+
+    def _enter(self, index: int | None, at: int, **where: int) -> None:
+        if index == self.phase:
+            return
+        first = self.phase == -1
+        self.phase = index
+        self.switches.append((at, index))
+        if getattr(self.model, "_jax_state", None) and not getattr(self.model, "_jax_state_synced", True):
+            self.model.jax_state_sync()  # mid-epoch on JAX: put the traced state back first
+        active = self.policy.at(**where)
+        apply(self.model, active, warn=False)
+        opt = self._optimizer()
+        if opt is not None:
+            reset = index is not None and self.policy.phases[index].reset_loss_scale and not first
+            opt.set_loss_scale_config(active.resolved_loss_scale, reset=reset)
+        _refresh_compiled(self.model)  # again: the loss-scale settings are baked in too
