@@ -161,7 +161,9 @@ def enter_phase(cfg: LossScaleConfig, state: LossScaleState, *, previous: LossSc
       when float32 gives way to float16): the phase's initial state too, since one mode's scale
       means nothing in another (a float32 phase's 1.0 is not a learned scale);
     - static -> static: the phase's own scale (a static scale is a setting, not a state);
-    - dynamic -> dynamic: everything carries over as it is.
+    - dynamic -> dynamic: everything carries over, kept inside the new phase's bounds (scale
+      clamped to its min/max, ``good_steps`` below its ``growth_interval``, ``hysteresis_left`` at
+      most its ``hysteresis``).
 
     The run counters ``steps`` and ``skipped`` always carry over.
 
@@ -175,10 +177,18 @@ def enter_phase(cfg: LossScaleConfig, state: LossScaleState, *, previous: LossSc
     if previous is not None:
         _require_resolved(previous)
     fresh = reset or previous is None or previous.mode != cfg.mode or cfg.mode != "dynamic"
-    if not fresh:
-        return state
-    start = initial_state(cfg)
-    return dataclasses.replace(start, steps=state.steps, skipped=state.skipped)
+    if fresh:
+        start = initial_state(cfg)
+        return dataclasses.replace(start, steps=state.steps, skipped=state.skipped)
+    # dynamic -> dynamic: carry, but inside the new phase's bounds; a good_steps count at or
+    # past the new growth_interval could never equal it again, and growth would stop for good
+    scale = state.scale
+    if cfg.min_scale is not None:
+        scale = max(scale, f32(cfg.min_scale))
+    if cfg.max_scale is not None:
+        scale = min(scale, f32(cfg.max_scale))
+    return dataclasses.replace(state, scale=scale, good_steps=min(state.good_steps, cfg.growth_interval - 1),
+                               hysteresis_left=min(state.hysteresis_left, cfg.hysteresis))
 
 
 def trajectory(cfg: LossScaleConfig, found_infs: Iterable[bool],

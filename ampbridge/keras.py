@@ -611,21 +611,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self._config
 
     def set_loss_scale_config(self, config: LossScaleConfig, *, reset: bool = False) -> None:
-        """Switch settings (a phase boundary). State carries over unless ``reset`` or the mode
-        changes (a scale kept by a ``none``/``static`` phase means nothing to a dynamic one);
-        then scale, good_steps and hysteresis_left restart and the step counters continue.
-        Rebuild traced train functions afterwards (:class:`PhaseCallback` does)."""
+        """Switch settings (a phase boundary); the state moves by the core's rule
+        (:func:`ampbridge._loss_scale.enter_phase`, the same in every backend): carried over
+        between dynamic phases, within the new bounds; fresh, step counters kept, on ``reset`` or
+        any other change. Rebuild traced train functions afterwards (:class:`PhaseCallback` does)."""
+        from ._loss_scale import enter_phase
+
         config = _config_from(config)
-        restart = reset or config.mode != self._config.mode
+        previous, before = self._config, self.state if self.built else None
         self._config = config
         self._jitted_apply = None  # the settings are baked into the compiled step
         self.initial_scale = initial_state(config).scale
         self.dynamic_growth_steps = config.growth_interval
-        if self.built and restart:
-            start = initial_state(config)
-            self.step_counter.assign(0)
-            self.dynamic_scale.assign(np.float32(start.scale))
-            self.hysteresis_left.assign(start.hysteresis_left)
+        if before is not None:
+            self.set_state(enter_phase(config, before, previous=previous, reset=reset))
 
     # --- state ---
 

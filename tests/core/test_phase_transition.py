@@ -27,3 +27,15 @@ def test_reset_and_mode_changes_start_fresh_but_keep_the_counters():
 def test_no_previous_phase_means_fresh():
     assert enter_phase(DYN, LossScaleState(scale=3.0, steps=5)) == LossScaleState(
         scale=1024.0, good_steps=0, hysteresis_left=2, steps=5, skipped=0)
+
+
+def test_dynamic_to_dynamic_stays_inside_the_new_bounds():
+    s = LossScaleState(scale=4096.0, good_steps=90, hysteresis_left=3, steps=200, skipped=4)
+    tight = LossScaleConfig(mode="dynamic", initial_scale=512.0, growth_interval=10, hysteresis=2, min_scale=1.0,
+                            max_scale=1024.0)
+    out = enter_phase(tight, s, previous=DYN.replace(growth_interval=100, hysteresis=3))
+    assert out == LossScaleState(scale=1024.0, good_steps=9, hysteresis_left=2, steps=200, skipped=4)
+    # and the next finite step grows again (good_steps reaches the new interval)
+    assert trajectory(tight, [False], state=out)[-1].good_steps == 0
+    floor = LossScaleConfig(mode="dynamic", min_scale=8192.0, max_scale=131072.0)
+    assert enter_phase(floor, s, previous=DYN).scale == 8192.0
