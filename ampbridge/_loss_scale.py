@@ -53,7 +53,7 @@ from typing import Any
 from ._policy import LossScaleConfig
 from .errors import AmpBridgeWarning, LossScaleError
 
-__all__ = ["LossScaleState", "LossScaler", "initial_state", "next_state", "trajectory", "f32"]
+__all__ = ["LossScaleState", "LossScaler", "initial_state", "next_state", "trajectory", "carry_state", "f32"]
 
 
 def f32(x: float) -> float:
@@ -160,6 +160,40 @@ def trajectory(cfg: LossScaleConfig, found_infs: Iterable[bool],
         state = next_state(cfg, state, bool(found_inf), warned=warned)
         out.append(state)
     return out
+
+
+def carry_state(old: LossScaleConfig, new: LossScaleConfig, state: LossScaleState, *,
+                reset: bool = False) -> LossScaleState:
+    """The state a new ``[[phase]]`` starts from, given the state the previous phase left.
+
+    ``reset`` (``[phase.loss_scale] reset = true``): the new settings' initial state, counters
+    included. Otherwise the counters ``steps`` and ``skipped`` carry over; between two dynamic
+    phases the scale, ``good_steps`` and ``hysteresis_left`` carry too (clamped to the new
+    ``growth_interval - 1`` and ``hysteresis``, and the scale to the new min/max), while a phase
+    entered from another mode starts from its own scale (``initial_scale``; 1 in mode none): a
+    static or unit scale is not a dynamic scale's history. Both configs must be resolved.
+
+    Example:
+        >>> from ampbridge import LossScaleConfig, LossScaleState
+        >>> dyn = LossScaleConfig(mode="dynamic", growth_interval=10)
+        >>> carry_state(LossScaleConfig(mode="none"), dyn, LossScaleState(1.0, 0, 1, 40, 2))
+        LossScaleState(scale=65536.0, good_steps=0, hysteresis_left=1, steps=40, skipped=2)
+    """
+    _require_resolved(old)
+    _require_resolved(new)
+    start = initial_state(new)
+    if reset:
+        return start
+    if old.mode == "dynamic" and new.mode == "dynamic":
+        scale = state.scale
+        if new.min_scale is not None:
+            scale = max(scale, f32(new.min_scale))
+        if new.max_scale is not None:
+            scale = min(scale, f32(new.max_scale))
+        return LossScaleState(scale=scale, good_steps=min(state.good_steps, new.growth_interval - 1),
+                              hysteresis_left=min(state.hysteresis_left, new.hysteresis),
+                              steps=state.steps, skipped=state.skipped)
+    return dataclasses.replace(start, steps=state.steps, skipped=state.skipped)
 
 
 class LossScaler:
