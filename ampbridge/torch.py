@@ -306,16 +306,19 @@ class _matmul_precision:
 
 @contextlib.contextmanager
 def _params_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    # The module's own parameters are presented in the compute dtype for this call only (their
-    # storage dtype cannot feed the kernel); autograd carries the gradient back to the stored ones.
-    saved = {name: p for name, p in module._parameters.items()
-             if p is not None and p.is_floating_point() and p.dtype != dtype}
-    for name, p in saved.items():
-        module._parameters[name] = p.to(dtype)  # type: ignore[assignment]
+    # The parameters are presented in the compute dtype for this call only (their storage dtype
+    # cannot feed the kernel); autograd carries the gradients back to the stored ones. A
+    # MultiheadAttention reads its out_proj's parameters itself, so those are included.
+    owners = [m for _, m in module.named_modules()] if isinstance(module, nn.MultiheadAttention) else [module]
+    saved = [(m, name, p) for m in owners for name, p in m._parameters.items()
+             if p is not None and p.is_floating_point() and p.dtype != dtype]
+    for m, name, p in saved:
+        m._parameters[name] = p.to(dtype)  # type: ignore[assignment]
     try:
         yield
     finally:
-        module._parameters.update(saved)
+        for m, name, p in saved:
+            m._parameters[name] = p
 
 
 class _Forward:
@@ -489,8 +492,16 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 continue
             storage[pid] = (p, DTYPES[chosen])
 
-    # 2. regions: a module whose compute dtype differs from its parent's region runs its own
+    # 2. regions: a module whose compute dtype differs from its parent's region runs its own.
+    # Without autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule
+    # sits inside one, the region's leaves get their floating inputs cast to float32.
     root_compute = raw[""].compute_dtype if is_leaf_root else policy.compute_dtype
+    low_below: set[str] = set()
+    for row in raw.rows:
+        if row.output_dtype != "float32" or row.compute_dtype != "float32":
+            parts = row.path.split(".")
+            low_below.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    region_root: dict[str, str] = {}
     specs: dict[str, _Spec] = {}
     wrapped_output: dict[str, str] = {}
     final: list[PlanRow] = []
@@ -517,18 +528,22 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
         own_low = any(d in _LOW for d in own_stored)
         region_change = compute != enclosing and not (path == "" and is_leaf_root)
+        region_root[path] = path if region_change else region_root.get(parent_path, "")
+        mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
+                         and next(module.children(), None) is None and behaviour != "weights")
         present_as = None  # own parameters presented in the compute dtype for the call
         if own_low and any(d != DTYPES[compute] for d in own_stored) and (
                 compute == "float32" or behaviour not in ("cast", "float32")):
             present_as = DTYPES[compute]
-        cast_inputs = region_change or (own_low and behaviour in ("input", "custom"))
+        cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
         if path == "" and is_leaf_root:
             cast_inputs = cast_inputs or compute != policy.compute_dtype
         rule = rules.get(row.rule)
         explicit_output = rule is not None and rule.output_dtype is not None
-        natural, note = _natural(row, module, behaviour, device_type, present_as, cast_inputs, own_stored)
+        natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
+                                                       own_stored)
         wrap = region_change or cast_inputs or present_as is not None or (
-            explicit_output and row.output_dtype != natural)
+            explicit_output and row.output_dtype != natural_out)
         if path == "" and is_leaf_root:
             wrap = False  # folded into the root spec below
         changes: dict[str, Any] = {}
@@ -552,9 +567,9 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         else:
             if natural != compute and behaviour != "region":
                 changes["compute_dtype"] = natural
-            if natural != row.output_dtype and not explicit_output and behaviour != "region":
-                changes["output_dtype"] = natural
-            if behaviour == "input" and not cast_inputs and compute != "float32":
+            if natural_out != row.output_dtype and not explicit_output and behaviour != "region":
+                changes["output_dtype"] = natural_out
+            if follows:
                 input_following.add(path)
         if path == "" and is_leaf_root:
             changes["output_dtype"] = policy.output_dtype
@@ -591,31 +606,37 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
 
 
 def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, present_as: torch.dtype | None,
-             cast_inputs: bool, own_stored: set[torch.dtype]) -> tuple[str, str]:
-    """The dtype the module really computes in, and a note where that is not the row's."""
+             cast_inputs: bool, own_stored: set[torch.dtype]) -> tuple[str, str, str, bool]:
+    """What the module really does: (compute dtype, output dtype, note, output follows the input)."""
     compute = row.compute_dtype
     cls = _class_name(module)
     if behaviour == "weights":
         weights = _NAMES[present_as] if present_as is not None else (
             _NAMES[next(iter(own_stored))] if len(own_stored) == 1 else row.param_dtype)
         if weights != compute:
-            return weights, f"autocast does not cast embedding lookups: it runs in its weights' dtype ({weights})"
-        return compute, ""
+            return weights, weights, (f"autocast does not cast embedding lookups: it runs in its weights' dtype "
+                                      f"({weights})"), False
+        return compute, compute, "", False
     if compute == "float32":
-        return compute, ""
+        return compute, compute, "", False
+    if isinstance(module, nn.RMSNorm) and behaviour == "input":
+        fed = f"({compute})" if cast_inputs else f"({compute} when fed by a {compute} layer)"
+        return "float32", compute, f"torch's rms_norm computes in float32 and returns its input's dtype {fed}", \
+            not cast_inputs
     if behaviour == "float32":
-        return "float32", f"{device_type} autocast runs {cls} in float32"
+        return "float32", "float32", f"{device_type} autocast runs {cls} in float32", False
     if behaviour == "input" and not cast_inputs:
-        return compute, (f"follows its input's dtype: {device_type} autocast leaves {cls} alone "
-                         f"({compute} when fed by a {compute} layer)")
+        return compute, compute, (f"follows its input's dtype: {device_type} autocast leaves {cls} alone "
+                                  f"({compute} when fed by a {compute} layer)"), True
     if behaviour == "custom" and not cast_inputs:
-        return compute, "custom module: its ops follow autocast's per-op rules"
+        return compute, compute, "custom module: its ops follow autocast's per-op rules", False
     if behaviour == "cast" and device_type == "cpu" and isinstance(module, (nn.GRU, nn.RNNCellBase)):
-        return compute, (f"the gates' matmuls run in {compute}; the output keeps the dtype of the input and "
-                         "hidden state")
+        return compute, compute, (f"the gates' matmuls run in {compute}; the output keeps its input's dtype "
+                                  f"({compute} when fed by a {compute} layer)"), True
     if behaviour == "cast" and isinstance(module, nn.LSTM) and device_type == "cpu" and compute == "float16":
-        return compute, "cpu LSTM under float16 autocast needs float16 inputs (oneDNN); pin it or feed float16"
-    return compute, ""
+        return compute, compute, ("cpu LSTM under float16 autocast needs float16 inputs (oneDNN); pin it or feed "
+                                  "float16"), False
+    return compute, compute, "", False
 
 
 # --- the loss scaler ---------------------------------------------------------------------------
@@ -1122,7 +1143,7 @@ class TorchAmp:
         return result
 
     def trace(self, *args: Any, **kwargs: Any) -> Plan:
-        """The Plan as observed in one forward on these inputs (no gradients; buffers restored).
+        """The Plan as observed in one forward on these inputs (no gradients; buffers and RNG restored).
 
         Every row that ran says what it really computed in; rows that follow their input's dtype
         get the observed dtype, rows that did not run say so.
@@ -1247,6 +1268,7 @@ def _trace(amp: TorchAmp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan
     main: dict[str, list[str]] = defaultdict(list)  # path -> dtypes of its main ops
     last: dict[str, str] = {}  # path -> dtype of its last floating op
     regions: dict[str, str] = {}  # path -> region seen by its children
+    delivered: dict[str, str] = {}  # path -> dtype of its (first floating) output
     ran: set[str] = set()
 
     def region_now() -> str:
@@ -1263,9 +1285,13 @@ def _trace(amp: TorchAmp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan
         stack.append(path)
         ran.add(path)
 
-    def post(module: nn.Module, _args: Any, _out: Any) -> None:
-        if paths.get(id(module)) is not None and stack:
+    def post(module: nn.Module, _args: Any, out: Any) -> None:
+        path = paths.get(id(module))
+        if path is not None and stack:
             stack.pop()
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(first, torch.Tensor) and first.is_floating_point() and first.dtype in _NAMES:
+                delivered.setdefault(path, _NAMES[first.dtype])
 
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -1283,8 +1309,10 @@ def _trace(amp: TorchAmp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     hooks = [nn.modules.module.register_module_forward_pre_hook(pre),
              nn.modules.module.register_module_forward_hook(post, always_call=True)]
+    rng_devices = [] if amp.device_type == "cpu" else None  # None: every device of that type
+    rng_type = "cuda" if amp.device_type == "cpu" else amp.device_type
     try:
-        with torch.no_grad(), Recorder():
+        with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=rng_type), Recorder():
             model(*args, **kwargs)
     finally:
         for h in hooks:
@@ -1305,16 +1333,17 @@ def _trace(amp: TorchAmp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan
             observed = main[path][0] if len(set(main[path])) == 1 else "+".join(sorted(set(main[path])))
         else:
             observed = last.get(path)
-        if observed is None or observed == row.compute_dtype:
+        follows = path in amp._realisation.input_following
+        if observed is None or (observed == row.compute_dtype and not follows):
             rows.append(row)
             continue
         changes: dict[str, Any] = {}
         if observed in DTYPES:
             changes["compute_dtype"] = observed
-            if row.path in amp._realisation.input_following:
-                changes["output_dtype"] = observed
-        rows.append(with_note(row, _join(row.note if row.path not in amp._realisation.input_following else None,
-                                         f"traced: ran in {observed}"), **changes))
+            if follows and path in delivered:
+                changes["output_dtype"] = delivered[path]
+        reason = row.note.split(" (")[0] if follows and row.note else row.note
+        rows.append(with_note(row, _join(reason, f"traced: ran in {observed}"), **changes))
     return Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
                 amp.plan.notes + ("traced: compute dtypes observed in one forward",))
 

@@ -115,7 +115,7 @@ if HAVE_TORCH:
             self.paths = {id(m): p for p, m in model.named_modules()}
             self.device_type = device_type
             self.stack, self.main, self.last = [], collections.defaultdict(list), {}
-            self.region, self.fed, self.ran = {}, {}, set()
+            self.region, self.fed, self.out, self.ran = {}, {}, {}, set()
             probe = self
 
             class Mode(TorchDispatchMode):
@@ -146,8 +146,12 @@ if HAVE_TORCH:
             self.ran.add(path)
 
         def _post(self, module, args, out):
-            if self.paths.get(id(module)) is not None:
+            path = self.paths.get(id(module))
+            if path is not None:
                 self.stack.pop()
+                first = out[0] if isinstance(out, (tuple, list)) and out else out
+                if isinstance(first, torch.Tensor) and first.is_floating_point():
+                    self.out.setdefault(path, first.dtype)
 
         def __enter__(self):
             self.hooks = [nn.modules.module.register_module_forward_pre_hook(self._pre),
@@ -169,8 +173,11 @@ if HAVE_TORCH:
             return {self.last[path]} if path in self.last else None
 
 
-    def check_plan(plan, probe, ignore=()):
-        """Every row that ran computed in its Plan dtype (rows that follow their input: in their input's)."""
+    def check_plan(plan, probe, ignore=(), model=None):
+        """Every row that ran computed in its Plan dtype (rows that follow their input: in their input's)
+        and delivered its Plan output dtype (a container ampbridge does not wrap delivers what its
+        last layer returns, so only wrapped containers are checked)."""
+        wrapped = {p for p, m in model.named_modules() if "forward" in m.__dict__} if model is not None else set()
         names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
         checked, problems = 0, []
         for row in plan.rows:
@@ -184,10 +191,18 @@ if HAVE_TORCH:
                 continue
             got = {names[d] for d in got}
             want = {row.compute_dtype}
+            want_out = row.output_dtype
             if row.note and row.note.startswith("follows its input's dtype"):
                 want = {names[probe.fed[row.path]]}
+            if row.note and "its input's dtype" in row.note and "when fed by" in row.note:
+                want_out = names[probe.fed[row.path]]
             if got != want:
                 problems.append(f"{row.path} ({row.class_name}): plan {want}, ran {got}")
+            out = probe.out.get(row.path)
+            if row.path in probe.region and row.path not in wrapped:
+                out = None
+            if out is not None and names[out] != want_out:
+                problems.append(f"{row.path} ({row.class_name}): plan output {want_out}, delivered {names[out]}")
             checked += 1
         assert not problems, "\n".join(problems)
         return checked
