@@ -264,6 +264,7 @@ class _Spec(NamedTuple):
     param_dtype: torch.dtype | None  # own parameters presented in this dtype for the call
     matmul_precision: str | None = None  # the root only
     root: bool = False
+    params_follow_input: bool = False  # present own parameters in the first floating input's dtype
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -292,7 +293,9 @@ class _matmul_precision:
         self.precision, self.previous = precision, None
 
     def __enter__(self) -> None:
-        if self.precision is not None:
+        # inside torch.compile the setting in force when the compiled call starts applies (call it in
+        # amp.autocast(), which sets it eagerly); reading it here would break the graph
+        if self.precision is not None and not torch.compiler.is_compiling():
             previous = torch.get_float32_matmul_precision()
             if previous != self.precision:
                 self.previous = previous
@@ -335,11 +338,14 @@ class _Forward:
             args = tuple(_cast_floating(a, spec.input_dtype) for a in args)
             if kwargs:
                 kwargs = {k: _cast_floating(v, spec.input_dtype) for k, v in kwargs.items()}
+        present = spec.param_dtype
+        if spec.params_follow_input:
+            present = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
         with _matmul_precision(spec.matmul_precision), _region(spec.device_type, spec.region):
-            if spec.param_dtype is None:
+            if present is None:
                 out = self._inner(*args, **kwargs)
             else:
-                with _params_as(module, spec.param_dtype):
+                with _params_as(module, present):
                     out = self._inner(*args, **kwargs)
         return _cast_floating(out, spec.output_dtype) if spec.output_dtype is not None else out
 
@@ -542,7 +548,10 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         explicit_output = rule is not None and rule.output_dtype is not None
         natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
                                                        own_stored)
-        wrap = region_change or cast_inputs or present_as is not None or (
+        # cpu bilinear cannot mix dtypes and autocast leaves it alone: it gets its input's dtype
+        follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
+                         and present_as is None and compute != "float32")
+        wrap = region_change or cast_inputs or present_as is not None or follow_params or (
             explicit_output and row.output_dtype != natural_out)
         if path == "" and is_leaf_root:
             wrap = False  # folded into the root spec below
@@ -559,10 +568,13 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
         if wrap:
             specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
-                                DTYPES[compute] if cast_inputs else None, DTYPES[row.output_dtype],
-                                present_as)
+                                DTYPES[compute] if cast_inputs else None,
+                                None if follows else DTYPES[row.output_dtype], present_as,
+                                params_follow_input=follow_params)
             if natural != compute and behaviour != "region":
                 changes["compute_dtype"] = natural
+            if follows:
+                input_following.add(path)
             wrapped_output[path] = row.output_dtype
         else:
             if natural != compute and behaviour != "region":
@@ -626,11 +638,14 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
     if behaviour == "float32":
         return "float32", "float32", f"{device_type} autocast runs {cls} in float32", False
     if behaviour == "input" and not cast_inputs:
+        also = ("; its parameters are presented in that dtype (torch's bilinear cannot mix dtypes)"
+                if isinstance(module, nn.Bilinear) and present_as is None else "")
         return compute, compute, (f"follows its input's dtype: {device_type} autocast leaves {cls} alone "
-                                  f"({compute} when fed by a {compute} layer)"), True
+                                  f"({compute} when fed by a {compute} layer){also}"), True
     if behaviour == "custom" and not cast_inputs:
         return compute, compute, "custom module: its ops follow autocast's per-op rules", False
-    if behaviour == "cast" and device_type == "cpu" and isinstance(module, (nn.GRU, nn.RNNCellBase)):
+    if behaviour == "cast" and device_type == "cpu" and isinstance(module, (nn.GRU, nn.RNNCellBase)) \
+            and not cast_inputs:
         return compute, compute, (f"the gates' matmuls run in {compute}; the output keeps its input's dtype "
                                   f"({compute} when fed by a {compute} layer)"), True
     if behaviour == "cast" and isinstance(module, nn.LSTM) and device_type == "cpu" and compute == "float16":
