@@ -682,8 +682,8 @@ class GradScaler(torch.amp.GradScaler):
         self._configure(cfg)
         self._pending = state  # the state for the lazily created tensors
         self._hysteresis_left: torch.Tensor | None = None
-        self._steps: torch.Tensor | None = None
-        self._skipped: torch.Tensor | None = None
+        self._steps = state.steps  # known on the host exactly: one per update()
+        self._skipped: torch.Tensor | None = None  # float64: exact to 2^53, and a single add_ per step
         self._host_state = state  # used while the scaler is disabled (mode none, no skipping)
         self._warned = False
         self._found_read: dict[int, bool] = {}  # optimizer id -> found_inf read in step() (no extra sync)
@@ -715,8 +715,7 @@ class GradScaler(torch.amp.GradScaler):
         self._init_scale, self._init_growth_tracker = state.scale, state.good_steps
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_left = torch.full((), state.hysteresis_left, dtype=torch.int32, device=dev)
-        self._steps = torch.full((), state.steps, dtype=torch.int64, device=dev)
-        self._skipped = torch.full((), state.skipped, dtype=torch.int64, device=dev)
+        self._skipped = torch.full((), state.skipped, dtype=torch.float64, device=dev)
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         if self._enabled and self.config.mode == "none":
@@ -811,13 +810,14 @@ class GradScaler(torch.amp.GradScaler):
                                          self._growth_interval)
             else:
                 self._update_dynamic(scale, tracker, found_flag)
-        assert self._steps is not None and self._skipped is not None
-        self._steps.add_(1)
+        assert self._skipped is not None
+        self._steps += 1
         if self.config.skip_nonfinite:
-            self._skipped.add_(found_flag > 0)  # in-kernel promotion: no extra cast op
+            # one optimizer on one device: found_inf is exactly 0.0 or 1.0
+            self._skipped.add_(found_flag if len(found_infs) == 1 else (found_flag > 0))
         skip = self.config.skip_nonfinite
         self._last_result = StepResult(not (known and skip) if known is not None else
-                                       (found_flag.detach().clone() if skip else True))
+                                       (found_flag if skip else True))
         self._found_read.clear()
         self._at_min_read = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -873,9 +873,9 @@ class GradScaler(torch.amp.GradScaler):
         if self._scale is None:
             return self._pending
         assert self._growth_tracker is not None and self._hysteresis_left is not None
-        assert self._steps is not None and self._skipped is not None
+        assert self._skipped is not None
         return LossScaleState(float(self._scale.item()), int(self._growth_tracker.item()),
-                              int(self._hysteresis_left.item()), int(self._steps.item()), int(self._skipped.item()))
+                              int(self._hysteresis_left.item()), self._steps, int(self._skipped.item()))
 
     def load_loss_scale_state(self, state: LossScaleState) -> None:
         """Set the five reference fields."""
@@ -885,14 +885,14 @@ class GradScaler(torch.amp.GradScaler):
             state = LossScaleState(f32(self.config.initial_scale), 0, state.hysteresis_left, state.steps,
                                    state.skipped)
         self._host_state = self._pending = state
+        self._steps = state.steps
         self._init_scale, self._init_growth_tracker = state.scale, state.good_steps
         if self._scale is not None:
             assert self._growth_tracker is not None and self._hysteresis_left is not None
-            assert self._steps is not None and self._skipped is not None
+            assert self._skipped is not None
             self._scale.fill_(state.scale)
             self._growth_tracker.fill_(state.good_steps)
             self._hysteresis_left.fill_(state.hysteresis_left)
-            self._steps.fill_(state.steps)
             self._skipped.fill_(state.skipped)
 
     def state_dict(self) -> dict[str, Any]:
@@ -930,7 +930,7 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError("A GradScaler instance may only be pickled at the beginning of an iteration, "
                                  "or at the end after scaler.update().")
         state["_pending"] = self.loss_scale_state()
-        for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_steps", "_skipped"):
+        for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped"):
             state[name] = None
         state["_last_result"] = StepResult(True)
         return state

@@ -41,8 +41,8 @@ def read(scaler):
     if not scaler._enabled:
         return scaler.loss_scale_state()
     v = torch.stack([scaler._scale.double(), scaler._growth_tracker.double(), scaler._hysteresis_left.double(),
-                     scaler._steps.double(), scaler._skipped.double()]).tolist()
-    return LossScaleState(v[0], int(v[1]), int(v[2]), int(v[3]), int(v[4]))
+                     scaler._skipped.double()]).tolist()
+    return LossScaleState(v[0], int(v[1]), int(v[2]), scaler._steps, int(v[3]))
 
 
 def drive(scaler, opt, param, found_infs, *, native=None, native_opt=None):
