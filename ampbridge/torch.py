@@ -327,10 +327,10 @@ def _params_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 class _Forward:
     """The forward ampbridge installs on a module (an instance attribute; ``remove()`` deletes it)."""
 
-    __slots__ = ("module", "spec", "previous", "owner")
+    __slots__ = ("module", "spec", "previous")
 
-    def __init__(self, module: nn.Module, spec: _Spec, previous: Any, owner: Any):
-        self.module, self.spec, self.previous, self.owner = module, spec, previous, owner
+    def __init__(self, module: nn.Module, spec: _Spec, previous: Any):
+        self.module, self.spec, self.previous = module, spec, previous
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec, module = self.spec, self.module
@@ -361,9 +361,9 @@ def _installed(module: nn.Module) -> _Forward | None:
     return fwd if isinstance(fwd, _Forward) else None
 
 
-def _install(module: nn.Module, spec: _Spec, owner: Any) -> None:
+def _install(module: nn.Module, spec: _Spec) -> None:
     previous = module.__dict__.get("forward")
-    module.forward = _Forward(module, spec, previous, owner)  # type: ignore[method-assign]
+    module.forward = _Forward(module, spec, previous)  # type: ignore[method-assign]
 
 
 def _uninstall(module: nn.Module) -> None:
@@ -1099,7 +1099,7 @@ class TorchAmp:
     def _install(self, realisation: _Realisation) -> None:
         modules = dict(self.model.named_modules())
         for path, spec in realisation.specs.items():
-            _install(modules[path], spec, self)
+            _install(modules[path], spec)
 
     def _uninstall(self) -> None:
         for _, module in self.model.named_modules():

@@ -1,6 +1,8 @@
 """apply(): what it accepts, what it refuses (clearly), and the scope of its settings."""
 
+import copy
 import logging
+import pickle
 
 import pytest
 
@@ -165,3 +167,14 @@ def test_amp_state_dict_round_trip():
     assert other.state_dict() == state
     with pytest.raises(ValueError, match="not an ampbridge.torch state dict"):
         other.load_state_dict({"scale": 1.0})
+
+
+def test_an_applied_model_copies_and_pickles_with_its_plan():
+    model = small()
+    abt.apply(model, Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",)))
+    x = torch.randn(2, 4)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(twin(x), model(x))
+        assert twin[1].forward.module is twin[1]  # its own wrappers, not the original's
+        with pytest.raises(abt.ModelNotSupportedError, match="already applied"):
+            abt.apply(twin, "mixed_float16")
