@@ -43,7 +43,7 @@ import logging
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -341,13 +341,19 @@ class _Forward:
         present = spec.param_dtype
         if spec.params_follow_input:
             present = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
-        with _matmul_precision(spec.matmul_precision), _region(spec.device_type, spec.region):
-            if present is None:
-                out = self._inner(*args, **kwargs)
-            else:
-                with _params_as(module, present):
-                    out = self._inner(*args, **kwargs)
+        if spec.root:
+            with _matmul_precision(spec.matmul_precision), _region(spec.device_type, spec.region):
+                out = self._run(present, args, kwargs)
+        else:
+            with _region(spec.device_type, spec.region):
+                out = self._run(present, args, kwargs)
         return _cast_floating(out, spec.output_dtype) if spec.output_dtype is not None else out
+
+    def _run(self, present: torch.dtype | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if present is None:
+            return self._inner(*args, **kwargs)
+        with _params_as(self.module, present):
+            return self._inner(*args, **kwargs)
 
     def _inner(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -527,7 +533,8 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                                         f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype))
             continue
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
-        enclosing = raw[parent_path].compute_dtype if parent_path in raw and parent_path != path else policy.compute_dtype
+        has_parent = parent_path in raw and parent_path != path
+        enclosing = raw[parent_path].compute_dtype if has_parent else policy.compute_dtype
         compute = row.compute_dtype
         own_float = [p for p in module.parameters(recurse=False)
                      if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
@@ -843,7 +850,8 @@ class GradScaler(torch.amp.GradScaler):
         good = torch.where(found, torch.zeros_like(tracker), tracker + 1)
         grow = (~found) & (good == cfg.growth_interval)
         if cfg.consecutive_hysteresis:
-            new_hyst = torch.where(found, torch.where(back_off, hyst, hyst - 1), torch.full_like(hyst, cfg.hysteresis))
+            refill = torch.full_like(hyst, cfg.hysteresis)
+            new_hyst = torch.where(found, torch.where(back_off, hyst, hyst - 1), refill)
         else:
             new_hyst = torch.where(grow, torch.full_like(hyst, cfg.hysteresis),
                                    torch.where(found & ~back_off, hyst - 1, hyst))
