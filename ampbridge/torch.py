@@ -362,6 +362,11 @@ class _Forward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
+def _keep_slow_path(module: nn.Module, args: Any) -> None:
+    """A no-op forward pre-hook: TransformerEncoderLayer skips its fused eval fast path (which would
+    bypass its children's forwards, and with them their rules) while any hook is attached."""
+
+
 def _installed(module: nn.Module) -> _Forward | None:
     fwd = module.__dict__.get("forward")
     return fwd if isinstance(fwd, _Forward) else None
@@ -1108,10 +1113,16 @@ class TorchAmp:
         modules = dict(self.model.named_modules())
         for path, spec in realisation.specs.items():
             _install(modules[path], spec)
+        self._hooks = [module.register_forward_pre_hook(_keep_slow_path)
+                       for path, module in modules.items() if isinstance(module, nn.TransformerEncoderLayer)
+                       and any(p != path and (not path or p.startswith(path + ".")) for p in realisation.specs)]
 
     def _uninstall(self) -> None:
         for _, module in self.model.named_modules():
             _uninstall(module)
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
+        self._hooks = []
 
     def _log_applied(self) -> None:
         p = self._resolved

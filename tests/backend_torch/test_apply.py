@@ -178,3 +178,24 @@ def test_an_applied_model_copies_and_pickles_with_its_plan():
         assert twin[1].forward.module is twin[1]  # its own wrappers, not the original's
         with pytest.raises(abt.ModelNotSupportedError, match="already applied"):
             abt.apply(twin, "mixed_float16")
+
+
+def test_rules_inside_a_transformer_layer_hold_on_its_eval_fast_path(monkeypatch):
+    """In eval without gradients TransformerEncoderLayer runs one fused kernel and never calls its
+    children; ampbridge keeps it on the ordinary path when a rule decides one of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Linear(8, 2)).eval()
+    calls = []
+    real = abt._Forward.__call__
+    monkeypatch.setattr(abt._Forward, "__call__", lambda self, *a, **k: calls.append(self.spec.path) or real(self, *a, **k))
+    amp = abt.apply(model, Policy(overrides=(Rule(("0.linear1",), compute_dtype="bfloat16"),)))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 8))
+    assert "0.linear1" in calls
+    amp.remove()
+    assert not model[0]._forward_pre_hooks
+    calls.clear()
+    abt.apply(model, "float32")  # nothing inside to honour: torch's fast path stays
+    with torch.no_grad():
+        model(torch.randn(2, 3, 8))
+    assert calls == [""] and not model[0]._forward_pre_hooks
