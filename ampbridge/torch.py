@@ -1149,13 +1149,12 @@ class TorchAmp:
 
     # --- running
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
         """The model-wide region (autocast in the compute dtype, the matmul precision), for the loss."""
         root = self._realisation.specs[""]
-        stack = contextlib.ExitStack()
-        stack.enter_context(_matmul_precision(root.matmul_precision))
-        stack.enter_context(_region(self.device_type, root.region))
-        return stack
+        with _matmul_precision(root.matmul_precision), _region(self.device_type, root.region):
+            yield
 
     def step(self, loss: torch.Tensor, optimizer: Any | Sequence[Any]) -> StepResult:
         """Scale, backward, unscale, skip or step, update; True (truthy) when the step was applied.
@@ -1437,8 +1436,11 @@ def fsdp_policy(policy: Policy | str | Path, model: nn.Module | None = None, dev
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
     policy = _as_policy(policy).at(step=0, epoch=0)
+    if model is not None:
+        device_type = _device_type_of(model, device_type)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if policy.compute_dtype == "auto":
-        policy, _ = _resolve_for_device(policy, device_type or "cpu")
+        policy, _ = _resolve_for_device(policy, device_type)
 
     def compute(name: str) -> torch.dtype | None:
         return None if name == "float32" else DTYPES[name]
@@ -1452,7 +1454,6 @@ def fsdp_policy(policy: Policy | str | Path, model: nn.Module | None = None, dev
     pinned: dict[str, Any] = {}
     pinned1: dict[str, Any] = {}
     if model is not None:
-        device_type = _device_type_of(model, device_type)
         resolved, _ = _resolve_for_device(policy, device_type)
         realisation = _realise(model, resolved, device_type, warn=False)
         for path, spec in realisation.specs.items():

@@ -110,7 +110,9 @@ def test_matmul_precision_applies_inside_the_scope_only(caplog):
     assert torch.get_float32_matmul_precision() == "highest"
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.step(model(torch.randn(2, 4)).float().sum(), opt)
-    with amp.autocast():
+    scope = amp.autocast()  # nothing happens until it is entered
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.is_autocast_enabled("cpu")
+    with scope:
         assert torch.get_float32_matmul_precision() == "high" and torch.is_autocast_enabled("cpu")
     assert seen == [("forward", "high"), ("backward", "high")]
     assert torch.get_float32_matmul_precision() == "highest" and not torch.is_autocast_enabled("cpu")
@@ -199,3 +201,15 @@ def test_rules_inside_a_transformer_layer_hold_on_its_eval_fast_path(monkeypatch
     with torch.no_grad():
         model(torch.randn(2, 3, 8))
     assert calls == [""] and not model[0]._forward_pre_hooks
+
+
+def test_a_single_module_model_is_its_own_row():
+    norm = nn.LayerNorm(4)
+    amp = abt.apply(norm, Policy(compute_dtype="float16", keep_float32=("kind:norm",), output_dtype="bfloat16"))
+    assert [r.path for r in amp.plan.rows] == [""] and amp.plan[""].compute_dtype == "float32"
+    with torch.autocast("cpu", dtype=torch.float16):  # the policy's region wins over the caller's
+        out = norm(torch.randn(2, 4, dtype=torch.float16))
+    assert out.dtype == torch.bfloat16 and amp.plan[""].output_dtype == "bfloat16"
+    lin = nn.Linear(3, 2)
+    abt.apply(lin, "mixed_bfloat16")
+    assert lin(torch.ones(1, 3)).dtype == torch.float32
