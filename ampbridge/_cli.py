@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -24,7 +25,7 @@ from . import _io
 from ._dtypes import format_table, formats
 from ._plan import Plan, build_plan, layers_from_data
 from ._policy import LOSS_SCALE_FIELDS, TOP_FIELDS, Policy
-from .errors import AmpBridgeError, PolicyError
+from .errors import AmpBridgeError, PolicyError, Problem
 
 EXAMPLES = Path(__file__).parent / "examples"
 
@@ -202,8 +203,201 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from ._report import format_summary, plot, summarize
+    from ._runlog import read_log
+
+    try:
+        log = read_log(args.log)
+    except FileNotFoundError:
+        raise UsageError(f"no such file {args.log!r}") from None
+    except ValueError as e:
+        print(f"ampbridge report: {e}", file=sys.stderr)
+        return 1
+    summary = summarize(log)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
+    if args.plot:
+        plot(log, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ._doctor import doctor
+
+    frameworks = [f.strip() for f in args.frameworks.split(",")] if args.frameworks else None
+    print(doctor(frameworks))
+    return 0
+
+
+# --- convert / check --------------------------------------------------------------------------
+
+_POLICY_SUFFIXES = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+
+
+def _auto_arg(text: str) -> str:
+    from .recipes import _trainer_dtype
+
+    try:
+        return _trainer_dtype(text, "--auto")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: Any) -> Any:
+    """A file, a ``FORMAT:VALUE`` (the value a file or a name), or a bare precision name -> its Conversion."""
+    from . import recipes
+
+    head, sep, rest = spec.partition(":")
+    if sep and head in recipes.READ_FORMATS and fmt in (None, head) and not Path(spec).exists():
+        fmt, spec = head, rest
+    path = Path(spec)
+    is_file = path.is_file()
+    if not is_file and (path.suffix.lower() in _POLICY_SUFFIXES or "/" in spec or os.sep in spec):
+        raise PolicyError([Problem("no such file", file=spec)])
+    given = {"auto": getattr(args, "auto", None), "release": getattr(args, "deepspeed_release", None),
+             "half": getattr(args, "jmp_half", None)}
+    given.update(extra)
+    if is_file:
+        detected = fmt or recipes.load(path).source_format  # detect first: pass only the options it takes
+    else:
+        detected = fmt or recipes.detect(recipes._parse_text(spec, "", None)[0], source=spec)
+    takes = recipes._READ_OPTIONS.get(detected, ())
+    options = {k: v for k, v in given.items() if v is not None and k in takes}
+    if is_file:
+        return recipes.load(path, detected, **options)
+    return recipes.loads(spec, detected, **options)
+
+
+def _render_result(result: Any, fmt: str, conversion: Any) -> str:
+    if fmt == "accelerate":
+        lines = [f"mixed_precision: {result['mixed_precision']!r}"]
+        kwargs = result.get("grad_scaler_kwargs")
+        if kwargs:
+            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            lines.append(f"# in code: Accelerator(kwargs_handlers=[GradScalerKwargs({args})])")
+        return "\n".join(lines) + "\n"
+    if fmt == "jmp":
+        return f"{result}\n"
+    return json.dumps(result, indent=2) + "\n"
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from . import recipes
+    from ._policy import LossScaleConfig
+
+    src = _read_recipe(args.src, args.src_format, args)
+    result = src.result
+    target = args.dst_format
+    out_path = Path(args.output) if args.output else None
+    losses = list(src.losses)
+    notes = list(src.notes)
+    if target == "ampbridge":
+        fmt = args.format or (_POLICY_SUFFIXES.get(out_path.suffix.lower()) if out_path else None) or "toml"
+        if isinstance(result, LossScaleConfig):
+            data = {"loss_scale": result.to_dict()}
+            header = "" if fmt == "json" else (f"# only loss-scale settings: {src.source_format} says nothing "
+                                               "about dtypes\n")
+            text = header + _io.render(data, fmt)
+        else:
+            text = _io.dumps(result, fmt)
+    else:
+        if isinstance(result, LossScaleConfig):
+            if target not in ("grad-scaler", "flax"):
+                raise UsageError(f"{src.source_format} settings hold only a loss scale; --to {target} needs a whole "
+                                 "policy (convert to ampbridge, grad-scaler or flax)")
+        options: dict[str, Any] = {}
+        if target == "deepspeed":
+            options = {"via": args.deepspeed_via, "release": args.deepspeed_release or "stable_interval"}
+        out = recipes.write(result, target, **options)
+        losses += out.losses
+        notes += out.notes
+        text = _render_result(out.result, target, out)
+    if src.state is not None:
+        s = src.state
+        notes.append(f"state: scale={s.scale!r}, good_steps={s.good_steps}, hysteresis_left={s.hysteresis_left} "
+                     "(load it into the scaler to resume)")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    for loss in losses:
+        print(f"lost: {loss}", file=sys.stderr)
+    if losses:
+        print(f"{len(losses)} setting{'s' if len(losses) != 1 else ''} could not be expressed "
+              f"({src.source_format} -> {target})", file=sys.stderr)
+        if args.strict:
+            print("--strict: nothing written", file=sys.stderr)
+            return 1
+    if out_path:
+        out_path.write_text(text, encoding="utf-8")
+        print(f"wrote {out_path}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from . import recipes
+    from ._io import PRESETS, preset
+
+    if not Path(args.policy).exists() and args.policy in PRESETS:
+        ref = recipes.Conversion(preset(args.policy), source_format="ampbridge",
+                                 covers=frozenset(recipes.POLICY_FIELDS))
+    else:
+        ref = _read_recipe(args.policy, None, args)
+    if not isinstance(ref.result, Policy):
+        raise UsageError(f"{args.policy}: {ref.source_format} settings hold only a loss scale; check needs a policy")
+    policy: Policy = ref.result
+    others = []
+    # the trainers' precision fills DeepSpeed's "auto": read them first
+    trainer = args.auto
+    for spec in args.against:
+        conv = _read_recipe(spec, None, args, **({"auto": trainer} if trainer else {}))
+        if conv.source_format in ("accelerate", "lightning") and trainer is None and isinstance(conv.result, Policy):
+            trainer = conv.result.compute_dtype
+        others.append((spec, conv))
+    if trainer is None and ref.source_format != "deepspeed":
+        trainer = policy.compute_dtype if policy.compute_dtype != "auto" else None
+    resolved = []
+    for spec, conv in others:
+        if conv.source_format == "deepspeed" and trainer and any(l.value == "auto" for l in conv.losses):
+            conv = _read_recipe(spec, "deepspeed", args, auto=trainer)
+            conv = dataclasses.replace(conv, notes=conv.notes + (
+                f"'auto' filled with {trainer} (the trainer's precision, or the policy's when no trainer "
+                "config is given)",))
+        resolved.append((spec, conv))
+    variants = [(None, policy.replace(phases=()))]
+    if policy.phases:
+        variants = []
+        start = 0
+        for i, ph in enumerate(policy.phases):
+            variants.append((f"phase[{i}] ({policy.phase_unit} {start}" + (f"-{ph.until - 1})" if ph.until else "+)"),
+                             ph.policy))
+            start = ph.until or start
+        if policy.phases[-1].until is not None:
+            variants.append((f"after the schedule ({policy.phase_unit} {start}+)", policy.replace(phases=())))
+    total = 0
+    for spec, conv in resolved:
+        for label, variant in variants:
+            found = recipes.disagreements(variant, conv)
+            total += len(found)
+            where = f" {label}" if label else ""
+            head = f"{args.policy}{where} vs {spec} ({conv.source_format})"
+            if not found:
+                print(f"{head}: agrees")
+            else:
+                print(f"{head}: {len(found)} disagreement{'s' if len(found) != 1 else ''}")
+                for d in found:
+                    print(f"  {d}".replace(" other ", f" {conv.source_format} "))
+        for loss in conv.losses:
+            print(f"  cannot compare: {loss}")
+        for note in conv.notes:
+            print(f"  note: {note}", file=sys.stderr)
+    print(f"{total} disagreement{'s' if total != 1 else ''}", file=sys.stderr)
+    return 1 if total else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from ._demo.run import run_demo
 
     return run_demo(args)
 
@@ -237,12 +431,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only-ruled", action="store_true", help="hide the rows the defaults decided")
     p.set_defaults(run=cmd_explain)
 
+    from .recipes import DEEPSPEED_RELEASES, READ_FORMATS, WRITE_FORMATS
+
+    p = sub.add_parser("convert", help="read another tool's AMP settings (or a policy) and write them as an "
+                       "ampbridge policy or for another tool; every setting that cannot be carried over is listed")
+    p.add_argument("src", metavar="SRC", help="a file (ds_config.json, accelerate.yaml, amp.toml, ...), or a "
+                   "precision name such as bf16-mixed, mixed_float16, p=f32,c=bf16")
+    p.add_argument("--from", dest="src_format", choices=READ_FORMATS, help="the source format (default: detected)")
+    p.add_argument("--to", dest="dst_format", choices=WRITE_FORMATS, default="ampbridge",
+                   help="the target (default: an ampbridge policy)")
+    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    p.add_argument("--format", choices=_io.FORMATS, help="the policy file format for --to ampbridge "
+                   "(default: from OUT's suffix, else toml)")
+    p.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any setting is lost")
+    p.add_argument("--auto", type=_auto_arg, metavar="fp16|bf16|no",
+                   help="the trainer's precision, which fills DeepSpeed's \"auto\" values")
+    p.add_argument("--deepspeed-release", choices=DEEPSPEED_RELEASES, default=None,
+                   help="DeepSpeed's loss-scaler growth test: modulo (microsoft/DeepSpeed 0336518 and earlier) or "
+                   "stable_interval (deepspeedai/DeepSpeed 18fd4c9 and later; the default)")
+    p.add_argument("--deepspeed-via", choices=("native", "torch_autocast", "amp"), default="native",
+                   help="how --to deepspeed realises the policy (default: its fp16/bf16 modes)")
+    p.add_argument("--jmp-half", choices=("float16", "bfloat16"), default=None,
+                   help="what jmp's device-dependent 'half' means (default float16; bfloat16 on TPU)")
+    p.set_defaults(run=cmd_convert)
+
+    p = sub.add_parser("check", help="compare a policy with DeepSpeed/Accelerate/Lightning/... settings; every "
+                       "disagreement listed (exit 1 if any)")
+    p.add_argument("policy", metavar="POLICY", help="a policy file or preset (or any recipe convert reads)")
+    p.add_argument("--against", nargs="+", required=True, metavar="OTHER",
+                   help="files or precision names (FORMAT:VALUE to say which, e.g. lightning:bf16-mixed)")
+    p.add_argument("--auto", type=_auto_arg, metavar="fp16|bf16|no", help="what fills DeepSpeed's \"auto\" values "
+                   "(default: the Accelerate/Lightning settings given, else the policy's compute dtype)")
+    p.add_argument("--deepspeed-release", choices=DEEPSPEED_RELEASES, default=None)
+    p.set_defaults(run=cmd_check)
+
     p = sub.add_parser("formats", help="floating-point format facts of every dtype")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_formats)
 
     p = sub.add_parser("schema", help="the JSON Schema of the policy file")
     p.set_defaults(run=cmd_schema)
+
+    p = sub.add_parser("report", help="summarise a numerics log (JSON Lines) with advice")
+    p.add_argument("log", metavar="RUN.jsonl")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss scale, skips and underflow")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_report)
+
+    p = sub.add_parser("doctor", help="devices, native dtypes, the auto choice and matmul precision per framework")
+    p.add_argument("--frameworks", default=None, help="comma list: torch, tensorflow, jax (default: all installed)")
+    p.set_defaults(run=cmd_doctor)
 
     p = sub.add_parser("demo", help="the example policy, planned and trained in every installed framework")
     p.add_argument("policy", nargs="?", default=None, metavar="POLICY")
@@ -268,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ampbridge {args.command}: error: {e}", file=sys.stderr)
         return 2
     except PolicyError as e:
-        print(f"ampbridge {args.command}: invalid policy:", file=sys.stderr)
+        what = "invalid input" if args.command in ("convert", "check") else "invalid policy"
+        print(f"ampbridge {args.command}: {what}:", file=sys.stderr)
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return 1

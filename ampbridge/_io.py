@@ -560,12 +560,18 @@ def _resolve_parent(parent: Any, doc: _Doc, base_dir: Path, chain: tuple[str, ..
         if parent in PRESETS:
             _merge_into(merged, PRESETS[parent], _Doc(f"preset:{parent}", lambda p: None))
             return merged
-        path = (base_dir / parent).resolve()
+        try:
+            path = (base_dir / parent).resolve()
+            exists = path.exists()
+        except (OSError, ValueError) as e:  # NUL bytes, lone surrogates, names too long
+            out.add(("extends",), f"not a usable file path ({type(e).__name__}: {e})", value=parent,
+                    accepted="a preset (" + ", ".join(PRESETS) + ") or a relative file path")
+            return merged
         if str(path) in chain:
             cycle = " -> ".join([Path(c).name for c in chain] + [path.name])
             out.add(("extends",), f"extends makes a cycle: {cycle}", value=parent)
             return merged
-        if not path.exists():
+        if not exists:
             hint = did_you_mean(parent, tuple(PRESETS))
             out.add(("extends",), "neither a preset nor an existing file" + (f"; {hint}" if hint else ""),
                     value=parent, accepted="a preset (" + ", ".join(PRESETS) + ") or a path relative to "

@@ -30,7 +30,6 @@ import difflib
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = ["KINDS", "Pattern", "compile_pattern", "join_path", "did_you_mean"]
 
@@ -67,18 +66,27 @@ def join_path(*names: str) -> str:
 
 @dataclass(frozen=True)
 class Pattern:
-    """A compiled layer pattern. ``matches(path, kind=, class_name=)`` tests one layer."""
+    """A compiled layer pattern. ``matches(path, kind=, class_name=)`` tests one layer.
+
+    ``target`` says what it looks at: ``"kind"``/``"type"`` compare ``value``; a ``"path"``
+    pattern is ``value`` exactly (``regex`` None) or ``regex`` in full. ``prefix`` is the
+    literal first path segment every match must start with, when there is one (an index key).
+    """
 
     text: str
     target: str  # "path" | "kind" | "type"
-    _test: Callable[[str], bool]
+    value: str | None = None
+    regex: "re.Pattern[str] | None" = None
+    prefix: str | None = None
 
     def matches(self, path: str, kind: str | None = None, class_name: str | None = None) -> bool:
-        if self.target == "path":
-            return self._test(path)
         if self.target == "kind":
-            return kind is not None and self._test(kind)
-        return class_name is not None and self._test(class_name)
+            return kind == self.value
+        if self.target == "type":
+            return class_name == self.value
+        if self.regex is None:
+            return path == self.value
+        return self.regex.fullmatch(path) is not None
 
 
 def _glob_to_regex(glob: str) -> str:
@@ -110,12 +118,11 @@ def compile_pattern(text: str) -> Pattern:
     if not isinstance(text, str) or not text.strip():
         raise ValueError("a pattern must be a non-empty string")
     if text.startswith("re:"):
-        source = text[3:]
         try:
-            regex = re.compile(source)
+            regex = re.compile(text[3:])
         except re.error as e:
             raise ValueError(f"not a valid regular expression: {e}") from None
-        return Pattern(text, "path", lambda p, _r=regex: _r.fullmatch(p) is not None)
+        return Pattern(text, "path", regex=regex)
     if text.startswith("kind:"):
         kind = text[5:]
         if kind not in KINDS:
@@ -124,13 +131,14 @@ def compile_pattern(text: str) -> Pattern:
                 f"unknown layer kind {kind!r}" + (f"; {hint}" if hint else "")
                 + f"; accepted kinds: {', '.join(KINDS)}"
             )
-        return Pattern(text, "kind", lambda k, _k=kind: k == _k)
+        return Pattern(text, "kind", value=kind)
     if text.startswith("type:"):
         name = text[5:]
         if not name:
             raise ValueError("'type:' needs a class name, as in 'type:LayerNorm'")
-        return Pattern(text, "type", lambda c, _n=name: c == _n)
-    if ":" in text.split(".")[0]:
+        return Pattern(text, "type", value=name)
+    first = text.split(".")[0]
+    if ":" in first:
         prefix = text.split(":", 1)[0]
         hint = did_you_mean(prefix, ("re", "kind", "type"))
         raise ValueError(
@@ -140,6 +148,6 @@ def compile_pattern(text: str) -> Pattern:
     if not any(ch in text for ch in "*?"):
         if not all(text.split(".")):
             raise ValueError("empty path segment (two dots in a row, or a leading/trailing dot)")
-        return Pattern(text, "path", lambda p, _t=text: p == _t)
-    regex = re.compile(_glob_to_regex(text))
-    return Pattern(text, "path", lambda p, _r=regex: _r.fullmatch(p) is not None)
+        return Pattern(text, "path", value=text, prefix=first)
+    literal_first = not any(ch in first for ch in "*?")
+    return Pattern(text, "path", regex=re.compile(_glob_to_regex(text)), prefix=first if literal_first else None)

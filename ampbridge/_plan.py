@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ._matching import KINDS, compile_pattern
+from ._matching import KINDS, Pattern, compile_pattern
 from ._policy import Policy
 from ._table import render_table
 from .errors import UnmatchedRuleWarning
@@ -191,6 +191,52 @@ class Plan:
         return sorted(out)
 
 
+class _RuleIndex:
+    """Finds the last rule matching a layer without trying every rule on every layer.
+
+    Exact paths, kinds and class names are dict lookups; globs with a literal first segment
+    are only tried on paths starting with it; the rest are tried newest rule first, stopping
+    as soon as no remaining rule could beat the best match found.
+    """
+
+    def __init__(self, rules: "list[list[Pattern]]"):
+        self.exact: dict[str, int] = {}
+        self.kinds: dict[str, int] = {}
+        self.types: dict[str, int] = {}
+        self.by_prefix: dict[str, list[tuple[int, Pattern]]] = {}
+        self.anywhere: list[tuple[int, Pattern]] = []
+        for idx, patterns in enumerate(rules):  # increasing idx: later rules overwrite
+            for p in patterns:
+                if p.target == "kind":
+                    self.kinds[p.value] = idx  # type: ignore[index]
+                elif p.target == "type":
+                    self.types[p.value] = idx  # type: ignore[index]
+                elif p.regex is None:
+                    self.exact[p.value] = idx  # type: ignore[index]
+                elif p.prefix is not None:
+                    self.by_prefix.setdefault(p.prefix, []).append((idx, p))
+                else:
+                    self.anywhere.append((idx, p))
+        self._candidates: dict[str, list[tuple[int, Pattern]]] = {}
+
+    def winner(self, layer: Layer) -> int:
+        """Index of the last rule matching ``layer``, or -1."""
+        path = layer.path
+        best = max(self.exact.get(path, -1), self.kinds.get(layer.kind, -1) if layer.kind else -1,
+                   self.types.get(layer.class_name, -1))
+        first = path.split(".", 1)[0]
+        candidates = self._candidates.get(first)
+        if candidates is None:
+            candidates = sorted(self.anywhere + self.by_prefix.get(first, []), key=lambda t: -t[0])
+            self._candidates[first] = candidates
+        for idx, p in candidates:
+            if idx <= best:
+                break
+            if p.regex.fullmatch(path) is not None:  # type: ignore[union-attr]
+                return idx
+        return best
+
+
 def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None = None,
                adjust: Callable[[PlanRow], PlanRow] | None = None, notes: Iterable[str] = (),
                warn: bool = True) -> Plan:
@@ -204,21 +250,19 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     if policy.phases:
         policy = policy.at(step=0, epoch=0)
     compiled = [(label, rule, [compile_pattern(m) for m in rule.match]) for label, rule in policy.rules]
-    matched = [False] * len(compiled)
+    index = _RuleIndex([patterns for _, _, patterns in compiled])
+    pending = set(range(len(compiled)))  # rules not yet seen matching any layer
     decisions: dict[str, tuple[int, str]] = {}  # path -> (rule index, matching pattern)
     for layer in layers:
-        kind, cls = layer.kind, layer.class_name
-        for idx in range(len(compiled) - 1, -1, -1):
-            label, rule, patterns = compiled[idx]
-            hit = next((p.text for p in patterns if p.matches(layer.path, kind, cls)), None)
-            if hit is not None:
-                decisions[layer.path] = (idx, hit)
-                matched[idx] = True
-                break
+        idx = index.winner(layer)
+        if idx >= 0:
+            hit = next(p.text for p in compiled[idx][2] if p.matches(layer.path, layer.kind, layer.class_name))
+            decisions[layer.path] = (idx, hit)
+            pending.discard(idx)
         # a rule that loses to a later one still counts as matching (it is not a typo)
-        for idx in range(len(compiled)):
-            if not matched[idx] and any(p.matches(layer.path, kind, cls) for p in compiled[idx][2]):
-                matched[idx] = True
+        if pending:
+            pending -= {i for i in pending
+                        if any(p.matches(layer.path, layer.kind, layer.class_name) for p in compiled[i][2])}
 
     rows = []
     for layer in layers:
@@ -245,7 +289,7 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
         rows.append(adjust(row) if adjust else row)
 
     unmatched = tuple(f"{label} ({', '.join(rule.match)})"
-                      for (label, rule, _), hit in zip(compiled, matched) if not hit)
+                      for i, (label, rule, _) in enumerate(compiled) if i in pending)
     if warn:
         for text in unmatched:
             warnings.warn(f"{text} matches no layer of the model (a typo?)", UnmatchedRuleWarning,

@@ -434,14 +434,27 @@ def _supported_compute_dtypes(device_type: str) -> frozenset[str]:
     return frozenset(ok)
 
 
+def _device(device_type: str) -> Any:
+    """This device as the core's ``Device`` (what ``compute_dtype = "auto"`` is decided on)."""
+    from ._hardware import Device, cpu_flags
+
+    if device_type == "cuda" and torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        return Device("cuda", torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index)))
+    if device_type == "cpu":
+        return Device("cpu", cpu_flags=cpu_flags())
+    return Device(device_type)
+
+
 def _resolve_for_device(policy: Policy, device_type: str) -> tuple[Policy, list[str]]:
-    """Resolve ``compute_dtype = "auto"`` and refuse compute dtypes the device cannot run."""
+    """Resolve ``compute_dtype = "auto"`` (the core's rule) and refuse dtypes the device cannot run."""
+    from ._hardware import resolve_auto
+
     notes = []
     supported = _supported_compute_dtypes(device_type)
     if policy.compute_dtype == "auto":
-        chosen = next(d for d in ("bfloat16", "float16", "float32") if d in supported)
-        policy = policy.replace(compute_dtype=chosen)
-        notes.append(f"compute_dtype auto: {chosen} on {device_type}")
+        policy, reason = resolve_auto(policy, _device(device_type))
+        notes.append(reason)
     wanted = [("compute_dtype", policy.compute_dtype)] + [
         (f"{label}.compute_dtype", rule.compute_dtype) for label, rule in policy.rules
         if label.startswith("override") and rule.compute_dtype]
@@ -1411,6 +1424,7 @@ class FSDPPrecision:
     mixed_precision: Any
     pinned: Mapping[str, Any] = field(default_factory=dict)
     pinned_fsdp1: Mapping[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what ampbridge.recipes.to_fsdp says about the mapping
 
     def shard(self, model: nn.Module, *, units: Iterable[str] = (), **fully_shard_kwargs: Any) -> nn.Module:
         """FSDP2: ``fully_shard`` the pinned modules, then ``units`` (paths), then the root."""
@@ -1429,43 +1443,46 @@ def fsdp_policy(policy: Policy | str | Path, model: nn.Module | None = None, dev
                 ) -> FSDPPrecision:
     """FSDP2 ``MixedPrecisionPolicy`` and FSDP1 ``MixedPrecision`` for a policy (pins need the model).
 
+    The dtype mapping is ``ampbridge.recipes.to_fsdp`` (what ``ampbridge convert --to fsdp``
+    writes), given this backend's Plan; ``notes`` carries its losses and notes. One choice is this
+    backend's: FSDP1's ``buffer_dtype`` is float32 and BatchNorm stays in FSDP1's
+    ``_module_classes_to_ignore`` (torch's default), because ``apply`` keeps buffers, and so
+    BatchNorm's parameters, in float32.
+
     Example:
         >>> fsdp_policy("mixed_bfloat16").mp_policy.param_dtype
         torch.bfloat16
     """
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
-    policy = _as_policy(policy).at(step=0, epoch=0)
+    from .recipes import to_fsdp
+
+    policy = _as_policy(policy)
     if model is not None:
         device_type = _device_type_of(model, device_type)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    if policy.compute_dtype == "auto":
-        policy, _ = _resolve_for_device(policy, device_type)
+    policy, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
+    plan = _realise(model, policy, device_type, warn=False).plan if model is not None else None
+    conversion = to_fsdp(policy, plan)
 
-    def compute(name: str) -> torch.dtype | None:
-        return None if name == "float32" else DTYPES[name]
+    def dtype(name: str | None) -> torch.dtype | None:
+        return DTYPES[name] if name is not None else None
 
-    reduce_dtype = DTYPES[policy.reduce_dtype]
-    unit = MixedPrecisionPolicy(param_dtype=compute(policy.compute_dtype), reduce_dtype=reduce_dtype)
-    root = MixedPrecisionPolicy(param_dtype=compute(policy.compute_dtype), reduce_dtype=reduce_dtype,
-                                output_dtype=DTYPES[policy.output_dtype])
-    fsdp1 = MixedPrecision(param_dtype=compute(policy.compute_dtype), reduce_dtype=reduce_dtype,
-                           buffer_dtype=torch.float32)
-    pinned: dict[str, Any] = {}
-    pinned1: dict[str, Any] = {}
-    if model is not None:
-        resolved, _ = _resolve_for_device(policy, device_type)
-        realisation = _realise(model, resolved, device_type, warn=False)
-        for path, spec in realisation.specs.items():
-            if path and spec.region is not None:
-                row = realisation.plan[path]
-                dtype = spec.region if spec.region != torch.float32 else None
-                pinned[path] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype,
-                                                    output_dtype=DTYPES[row.output_dtype])
-                pinned1[path] = MixedPrecision(param_dtype=dtype if dtype is not None else torch.float32,
-                                               reduce_dtype=reduce_dtype, buffer_dtype=torch.float32,
-                                               cast_forward_inputs=True)
-    elif policy.rules:
-        log.info("fsdp_policy: pass the model to get the per-module policies of %d pinning rule(s)",
-                 len(policy.rules))
-    return FSDPPrecision(unit, root, fsdp1, pinned, pinned1)
+    def fsdp2(settings: Mapping[str, Any], output: bool = True) -> Any:
+        return MixedPrecisionPolicy(param_dtype=dtype(settings["param_dtype"]),
+                                    reduce_dtype=dtype(settings["reduce_dtype"]),
+                                    output_dtype=dtype(settings["output_dtype"]) if output else None,
+                                    cast_forward_inputs=settings["cast_forward_inputs"])
+
+    def fsdp1(settings: Mapping[str, Any], root: bool) -> Any:
+        return MixedPrecision(param_dtype=dtype(settings["param_dtype"]), reduce_dtype=dtype(settings["reduce_dtype"]),
+                              buffer_dtype=torch.float32, cast_forward_inputs=not root)
+
+    root = conversion.result["root"]
+    pinned = {path: fsdp2(g["fsdp2"]) for g in conversion.result["pinned"] for path in g["paths"] or ()}
+    pinned1 = {path: fsdp1(g["fsdp1"], False) for g in conversion.result["pinned"] for path in g["paths"] or ()}
+    if model is None and policy.rules:
+        notes.append(f"pass the model to get the per-module policies of {len(policy.rules)} pinning rule(s)")
+    return FSDPPrecision(fsdp2(root["fsdp2"], output=False), fsdp2(root["fsdp2"]), fsdp1(root["fsdp1"], True),
+                         pinned, pinned1, tuple(notes) + tuple(conversion.notes) +
+                         tuple(str(loss) for loss in conversion.losses))

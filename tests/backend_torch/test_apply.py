@@ -83,14 +83,24 @@ def test_device_errors_are_clear(monkeypatch):
         abt.apply(small(), "mixed_bfloat16")
     with pytest.raises(UnsupportedOptionError, match=r"override\[0\].compute_dtype='bfloat16'"):
         abt.apply(small(), Policy(compute_dtype="float16", overrides=(Rule(("0",), compute_dtype="bf16"),)))
-    amp = abt.apply(small(), Policy(compute_dtype="auto"))
-    assert amp.active_policy.compute_dtype == "float16" and "compute_dtype auto: float16 on cpu" in amp.plan.notes
+    # auto is the core's decision (ampbridge._hardware): a CPU without native bfloat16 gets float32
+    from ampbridge._hardware import Device
+
+    monkeypatch.setattr(abt, "_device", lambda device_type: Device("cpu", cpu_flags=frozenset({"avx2"})))
+    with pytest.warns(ampbridge.AmpBridgeWarning, match="chose float32"):
+        amp = abt.apply(small(), Policy(compute_dtype="auto"))
+    assert amp.active_policy.compute_dtype == "float32"
+    assert any("compute_dtype auto -> float32" in n for n in amp.plan.notes)
 
 
 def test_the_real_cpu_capabilities_and_auto():
+    from ampbridge._hardware import auto_dtype
+
     assert abt._supported_compute_dtypes("cpu") == {"float32", "float16", "bfloat16"}
+    chosen, reason = auto_dtype(abt._device("cpu"))
     amp = abt.apply(small(), Policy(compute_dtype="auto"))
-    assert amp.active_policy.compute_dtype == "bfloat16" and amp.scaler.config.mode == "none"
+    assert amp.active_policy.compute_dtype == chosen and any(reason in n for n in amp.plan.notes)
+    assert amp.scaler.config.mode == ("dynamic" if chosen == "float16" else "none")
 
 
 def test_matmul_precision_applies_inside_the_scope_only(caplog):

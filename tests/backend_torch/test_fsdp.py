@@ -29,18 +29,22 @@ def test_without_a_model():
                                                   buffer_dtype=torch.float32)
     assert fsdp.pinned == {} and fsdp.pinned_fsdp1 == {}
     fp32 = abt.fsdp_policy("float32")
-    assert fp32.mp_policy.param_dtype is None and fp32.mixed_precision.param_dtype is None
+    assert fp32.mp_policy.param_dtype == torch.float32 and fp32.mixed_precision.param_dtype == torch.float32
+    assert any("ShardedGradScaler" in n for n in abt.fsdp_policy("mixed_float16").notes)
     bf16 = abt.fsdp_policy(Policy(compute_dtype="bfloat16", param_dtype="bfloat16", reduce_dtype="float32"))
     assert bf16.mp_policy.reduce_dtype == torch.float32  # reduce_dtype is kept apart from the storage dtype
 
 
 def test_pins_become_their_own_units(tiny):
     policy = Policy(compute_dtype="float16", keep_float32=("kind:norm",),
-                    overrides=(Rule(("fc1",), compute_dtype="bfloat16", output_dtype="float16"),))
+                    overrides=(Rule(("fc1",), compute_dtype="bfloat16", output_dtype="float16"),
+                               Rule(("head",), output_dtype="float32")))
     fsdp = abt.fsdp_policy(policy, tiny)
-    assert set(fsdp.pinned) == {"ln1", "ln2", "ln3", "fc1"}
-    assert fsdp.pinned["ln1"] == MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32,
+    # the same units `ampbridge convert --to fsdp` names (recipes.to_fsdp, given this backend's Plan)
+    assert set(fsdp.pinned) == {"ln1", "ln2", "ln3", "fc1", "head"}
+    assert fsdp.pinned["ln1"] == MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                                       output_dtype=torch.float32)
+    assert fsdp.pinned["head"].param_dtype == torch.float16 and fsdp.pinned["head"].output_dtype == torch.float32
     assert fsdp.pinned["fc1"].param_dtype == torch.bfloat16 and fsdp.pinned["fc1"].output_dtype == torch.float16
     assert fsdp.pinned_fsdp1["ln2"].param_dtype == torch.float32
     assert fsdp.pinned_fsdp1["ln2"].buffer_dtype == torch.float32

@@ -56,7 +56,9 @@ def test_random_documents_as_text(doc, fmt):
     outcome(lambda: ampbridge.loads(text, format=fmt))
 
 
-REFERENCE = (ampbridge._cli.EXAMPLES / "reference.toml").read_text()
+from ampbridge._cli import EXAMPLES  # noqa: E402
+
+REFERENCE = (EXAMPLES / "reference.toml").read_text()
 
 
 @SETTINGS

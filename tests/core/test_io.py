@@ -223,3 +223,9 @@ def test_from_dict_is_the_inverse_of_to_dict():
     p = ampbridge.load(EXAMPLES / "reference.toml")
     assert Policy.from_dict(p.to_dict()) == p
     assert json.loads(json.dumps(p.to_dict())) == p.to_dict()
+
+
+@pytest.mark.parametrize("bad", ["a\x00b.toml", "\ud800.toml", "x" * 5000 + ".toml"])
+def test_unusable_extends_paths_are_policy_errors(bad):
+    with pytest.raises(PolicyError, match="extends"):
+        ampbridge.loads(json.dumps({"extends": bad}), format="json")

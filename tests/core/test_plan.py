@@ -155,3 +155,36 @@ def test_patterns_compile_once_for_a_large_model():
     assert info.misses == 50  # one compilation per distinct pattern, however many layers
     assert pl["block3.sub3.proj"].rule == "override[3]"
     assert pl["block99.sub99.proj"].rule == "default"
+
+
+def _naive_winner(rules, layer):
+    """The definition: the last rule any of whose patterns matches the layer."""
+    winner = -1
+    for idx, (_, rule) in enumerate(rules):
+        if any(ampbridge.compile_pattern(m).matches(layer.path, layer.kind, layer.class_name) for m in rule.match):
+            winner = idx
+    return winner
+
+
+def test_rule_index_agrees_with_the_definition():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ampbridge._plan import _RuleIndex
+
+    segment = st.sampled_from(["enc", "dec", "layers", "0", "1", "norm", "attn", "proj", "head"])
+    paths = st.lists(segment, min_size=1, max_size=4).map(".".join)
+    patterns = st.one_of(
+        paths, st.sampled_from(["kind:norm", "kind:linear", "type:Linear", "type:LayerNorm", "**.norm", "enc.**",
+                                "*.attn", "enc.*.proj", "re:.*\\.0\\..*", "re:dec.*", "l*s.?.norm", "**"]))
+    layer = st.builds(Layer, paths, st.sampled_from([None, "norm", "linear"]), st.sampled_from(["Linear", "LayerNorm", "X"]))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.lists(patterns, min_size=1, max_size=3), min_size=1, max_size=8), st.lists(layer, max_size=10))
+    def check(rule_patterns, layers):
+        policy = Policy(overrides=tuple(Rule(tuple(ps), compute_dtype="float16") for ps in rule_patterns))
+        index = _RuleIndex([[ampbridge.compile_pattern(m) for m in r.match] for _, r in policy.rules])
+        for lay in layers:
+            assert index.winner(lay) == _naive_winner(policy.rules, lay)
+
+    check()

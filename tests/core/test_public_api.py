@@ -7,7 +7,8 @@ import ampbridge
 
 CORE_MODULES = ["ampbridge", "ampbridge.errors", "ampbridge._dtypes", "ampbridge._matching", "ampbridge._policy",
                 "ampbridge._io", "ampbridge._loss_scale", "ampbridge._plan", "ampbridge._schema", "ampbridge._table",
-                "ampbridge._registry", "ampbridge._testing", "ampbridge._cli"]
+                "ampbridge._registry", "ampbridge._testing", "ampbridge._cli", "ampbridge._hardware", "ampbridge._env",
+                "ampbridge._runlog", "ampbridge._report", "ampbridge._doctor", "ampbridge._demo.run"]
 
 
 def test_every_public_name_exists():

@@ -11,14 +11,14 @@ import argparse
 import json
 from pathlib import Path
 
-from . import _io
-from ._plan import build_plan, layers_from_data
+from .. import _io
+from .._plan import build_plan, layers_from_data
 
-EXAMPLES = Path(__file__).parent / "examples"
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from ._cli import _defaults_notes
+    from .._cli import _defaults_notes
 
     path = Path(args.policy) if args.policy else EXAMPLES / "amp.toml"
     policy, origins = _io.load_with_origins(path)

@@ -1,0 +1,111 @@
+"""``ampbridge doctor``: per installed framework, its devices, the dtypes they run natively,
+what ``compute_dtype = "auto"`` chooses and why, and the float32 matmul (TF32) state.
+
+Frameworks are imported here on purpose (this command is about them), each only if installed.
+
+Example:
+    >>> native_dtypes(Device("cuda", capability=(7, 5)))
+    ['float32', 'float16']
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from ._hardware import BF16_CPU_FLAGS, Device, auto_dtype, cpu_flags
+from ._table import render_table
+
+FP16_CPU_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
+
+
+def native_dtypes(device: Device) -> list[str]:
+    """The floating dtypes the device computes in natively (not emulated)."""
+    if device.platform == "cuda" and device.capability:
+        major, _ = device.capability
+        return ["float32"] + (["float16"] if major >= 6 else []) + (["bfloat16"] if major >= 8 else [])
+    if device.platform == "tpu":
+        return ["float32", "bfloat16"]
+    if device.platform == "cpu":
+        return ["float32"] + (["bfloat16"] if BF16_CPU_FLAGS & device.cpu_flags else []) + (
+            ["float16"] if FP16_CPU_FLAGS & device.cpu_flags else [])
+    return ["float32"]
+
+
+def _torch() -> dict[str, Any]:
+    import torch
+
+    devices = [Device("cpu", torch.backends.cpu.get_cpu_capability(), cpu_flags=cpu_flags())]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            devices.append(Device("cuda", torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)))
+    matmul = (f"float32 matmul precision {torch.get_float32_matmul_precision()!r}; "
+              f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
+              f"cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}")
+    return {"version": torch.__version__, "devices": devices, "matmul": matmul}
+
+
+def _tensorflow() -> dict[str, Any]:
+    import tensorflow as tf
+
+    devices = []
+    for d in tf.config.list_physical_devices():
+        if d.device_type == "CPU":
+            devices.append(Device("cpu", d.name, cpu_flags=cpu_flags()))
+        elif d.device_type == "GPU":
+            details = tf.config.experimental.get_device_details(d)
+            devices.append(Device("cuda", details.get("device_name", d.name), details.get("compute_capability")))
+        elif d.device_type == "TPU":
+            devices.append(Device("tpu", d.name))
+    matmul = f"TF32 execution enabled={tf.config.experimental.tensor_float_32_execution_enabled()}"
+    import keras
+
+    return {"version": f"{tf.__version__} (keras {keras.__version__}, backend {keras.backend.backend()})",
+            "devices": devices, "matmul": matmul}
+
+
+def _jax() -> dict[str, Any]:
+    import jax
+
+    devices = []
+    for d in jax.devices():
+        if d.platform == "cpu":
+            devices.append(Device("cpu", getattr(d, "device_kind", "cpu"), cpu_flags=cpu_flags()))
+        elif d.platform == "gpu":
+            cc = getattr(d, "compute_capability", None)
+            cap = tuple(int(x) for x in str(cc).split(".")[:2]) if cc else None
+            devices.append(Device("cuda", d.device_kind, cap))
+        else:
+            devices.append(Device(d.platform, d.device_kind))
+    matmul = f"jax_default_matmul_precision={jax.config.jax_default_matmul_precision!r}"
+    return {"version": jax.__version__, "devices": devices, "matmul": matmul}
+
+
+PROBES = (("torch", "torch", _torch), ("tensorflow/keras", "tensorflow", _tensorflow), ("jax", "jax", _jax))
+
+
+def doctor(frameworks: list[str] | None = None) -> str:
+    """The report ``ampbridge doctor`` prints."""
+    lines = []
+    flags = cpu_flags()
+    lines.append("cpu flags relevant to mixed precision: "
+                 + (", ".join(sorted((BF16_CPU_FLAGS | FP16_CPU_FLAGS | {"avx2", "avx512f", "f16c"}) & flags)) or "none found"))
+    for label, module, probe in PROBES:
+        if frameworks and label.split("/")[0] not in frameworks and module not in frameworks:
+            continue
+        if importlib.util.find_spec(module) is None:
+            lines.append(f"\n{label}: not installed")
+            continue
+        try:
+            info = probe()
+        except Exception as e:  # a broken install is a finding, not a crash
+            lines.append(f"\n{label}: installed but could not be probed: {type(e).__name__}: {e}")
+            continue
+        lines.append(f"\n{label} {info['version']}")
+        rows = []
+        for d in info["devices"]:
+            choice, reason = auto_dtype(d)
+            rows.append((d.describe(), ", ".join(native_dtypes(d)), choice, reason.split(": ", 1)[-1]))
+        lines.append(render_table(("device", "native dtypes", "auto", "why"), rows))
+        lines.append(info["matmul"])
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""The bisect switch: run any applied model in float32 (or another policy) without code changes.
+
+``AMPBRIDGE_DISABLE=1`` makes every backend's ``apply`` use the ``float32`` preset;
+``AMPBRIDGE_POLICY=NAME_OR_FILE`` makes it use that preset or policy file instead of the one in
+the code. Either says so once per process (an :class:`AmpBridgeWarning`), so a run can be
+bisected ("is it mixed precision?") by setting one variable.
+
+Example:
+    >>> import os, ampbridge
+    >>> os.environ["AMPBRIDGE_DISABLE"] = "1"
+    >>> effective_policy(ampbridge.preset("mixed_float16"), "torch", warn=False).compute_dtype
+    'float32'
+    >>> del os.environ["AMPBRIDGE_DISABLE"]
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .errors import AmpBridgeWarning
+
+_said: set[str] = set()
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def effective_policy(policy, framework: str, *, warn: bool = True):
+    """The policy a backend must apply: ``policy`` unless the environment replaces it."""
+    from ._io import PRESETS, load, preset
+
+    disable = os.environ.get("AMPBRIDGE_DISABLE", "").strip().lower()
+    override = os.environ.get("AMPBRIDGE_POLICY", "").strip()
+    if disable not in _FALSE:
+        replacement, why = preset("float32"), "AMPBRIDGE_DISABLE is set: running in float32"
+    elif override:
+        replacement = preset(override) if override in PRESETS else load(override)
+        why = f"AMPBRIDGE_POLICY={override}: using that policy instead of the one given"
+    else:
+        return policy
+    if warn and why not in _said:
+        _said.add(why)
+        warnings.warn(f"ampbridge ({framework}): {why}", AmpBridgeWarning, stacklevel=3)
+    return replacement

@@ -1,0 +1,177 @@
+"""The numerics log: one JSON Lines format every backend's monitor writes.
+
+The first line describes the run; each further line is one monitored step::
+
+    {"kind": "run", "version": 1, "framework": "torch", "compute_dtype": "float16",
+     "policy": {...}, "layers": ["embed", "block.norm1", ...], "min_scale": 1.0}
+    {"kind": "step", "step": 12, "loss": 2.31, "loss_scale": 65536.0, "found_inf": false,
+     "skipped": false, "first_nonfinite": null,
+     "layers": {"block.attn.query": {"grad_max_abs": ..., "grad_rms": ..., "zero": ...,
+                                     "nonfinite": ..., "underflow": ..., "overflow": ...}}}
+
+``layers`` in the run line lists Plan paths in forward order (overflow attribution names the
+first of them that went non-finite). Per-layer statistics cover the gradients of the parameters
+the layer owns, taken before unscaling (``g``, scaled by ``S = loss_scale``):
+
+- ``grad_max_abs``, ``grad_rms``: of the finite unscaled gradients ``g / S``
+- ``zero``: fraction with ``g == 0``; ``nonfinite``: fraction inf or nan
+- ``underflow``: fraction finite, non-zero once unscaled, yet below the compute dtype's smallest
+  subnormal: they would flush to zero without loss scaling
+- ``overflow``: fraction finite yet beyond the compute dtype's max: scaled this much, they would
+  overflow in the compute dtype
+
+:func:`layer_stats` is the reference definition (numpy), which the backends' own reductions
+are tested against. ``first_nonfinite`` is ``{"path": ..., "where": "output" | "gradient"}``.
+
+Example:
+    >>> import numpy as np
+    >>> s = layer_stats(np.array([0.0, 1e-9, 4.0, np.inf]), loss_scale=1.0, compute_dtype="float16")
+    >>> (s["zero"], s["underflow"], s["nonfinite"])
+    (0.25, 0.25, 0.25)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ._dtypes import formats
+
+LOG_VERSION = 1
+STAT_KEYS = ("grad_max_abs", "grad_rms", "zero", "nonfinite", "underflow", "overflow")
+
+
+def layer_stats(grad: Any, loss_scale: float, compute_dtype: str) -> dict[str, float]:
+    """The reference per-layer statistics of one (scaled) gradient array, computed with numpy."""
+    import numpy as np
+
+    fmt = formats()[compute_dtype]
+    g = np.asarray(grad, dtype=np.float64).ravel()
+    n = max(g.size, 1)
+    finite = np.isfinite(g)
+    u = g[finite] / float(loss_scale)
+    nonzero = u != 0
+    return {
+        "grad_max_abs": float(np.max(np.abs(u))) if u.size else float("nan"),
+        "grad_rms": float(np.sqrt(np.mean(u * u))) if u.size else float("nan"),
+        "zero": float(np.count_nonzero(g == 0) / n),
+        "nonfinite": float(np.count_nonzero(~finite) / n),
+        "underflow": float(np.count_nonzero(nonzero & (np.abs(u) < fmt.smallest_subnormal)) / n),
+        "overflow": float(np.count_nonzero(np.abs(g[finite]) > fmt.max) / n),
+    }
+
+
+def _json_number(x: Any) -> Any:
+    if isinstance(x, float) and x != x:
+        return None  # NaN is not JSON; null reads back as "no value"
+    if isinstance(x, float) and x in (float("inf"), float("-inf")):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return _json_number(obj)
+
+
+class RunLogWriter:
+    """Append-only writer of a run log; one line per record, flushed as written.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with RunLogWriter(path, framework="torch", compute_dtype="float16", layers=["a"]) as log:
+        ...     log.step(0, loss=1.0, loss_scale=2.0, found_inf=False, skipped=False)
+        >>> read_log(path).steps[0]["loss_scale"]
+        2.0
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, framework: str, compute_dtype: str,
+                 layers: Iterable[str], policy: Mapping[str, Any] | None = None,
+                 min_scale: float | None = None, extra: Mapping[str, Any] | None = None):
+        self.path = Path(path)
+        self._file: IO[str] = self.path.open("w", encoding="utf-8")
+        header = {"kind": "run", "version": LOG_VERSION, "framework": framework,
+                  "compute_dtype": compute_dtype, "policy": dict(policy or {}), "layers": list(layers),
+                  "min_scale": min_scale, **(extra or {})}
+        self._write(header)
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(_clean(record)) + "\n")
+        self._file.flush()
+
+    def step(self, step: int, *, loss: float | None, loss_scale: float, found_inf: bool, skipped: bool,
+             layers: Mapping[str, Mapping[str, float]] | None = None,
+             first_nonfinite: Mapping[str, str] | None = None) -> None:
+        self._write({"kind": "step", "step": int(step), "loss": None if loss is None else float(loss),
+                     "loss_scale": float(loss_scale), "found_inf": bool(found_inf), "skipped": bool(skipped),
+                     "first_nonfinite": dict(first_nonfinite) if first_nonfinite else None,
+                     "layers": {k: {s: float(v[s]) for s in STAT_KEYS if s in v} for k, v in (layers or {}).items()}})
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "RunLogWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class RunLog:
+    header: dict[str, Any]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    source: str = ""
+
+
+def _number(v: Any) -> Any:
+    if v == "inf":
+        return float("inf")
+    if v == "-inf":
+        return float("-inf")
+    if v is None:
+        return float("nan")
+    return v
+
+
+def read_log(path: str | os.PathLike[str]) -> RunLog:
+    """Read a run log, checking its shape; raises ValueError naming the file and line."""
+    source = str(path)
+    lines: Iterator[str] = iter(Path(path).read_text(encoding="utf-8").splitlines())
+    log: RunLog | None = None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}:{number}: not JSON: {e.msg}") from None
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if log is None:
+            if kind != "run":
+                raise ValueError(f"{source}:{number}: the first record must be the run header (kind 'run')")
+            if record.get("version") != LOG_VERSION:
+                raise ValueError(f"{source}:{number}: log version {record.get('version')!r}; accepted: {LOG_VERSION}")
+            log = RunLog(record, source=source)
+            continue
+        if kind != "step":
+            raise ValueError(f"{source}:{number}: unknown record kind {kind!r}; accepted: step")
+        for key in ("step", "loss_scale", "found_inf", "skipped"):
+            if key not in record:
+                raise ValueError(f"{source}:{number}: step record without {key!r}")
+        record["loss"] = _number(record.get("loss"))
+        for stats in record.get("layers", {}).values():
+            for k in list(stats):
+                stats[k] = _number(stats[k])
+        log.steps.append(record)
+    if log is None:
+        raise ValueError(f"{source}: empty log")
+    return log

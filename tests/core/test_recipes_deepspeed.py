@@ -1,0 +1,178 @@
+"""A converted DeepSpeed recipe, run through the core reference, follows DeepSpeed's own scaler.
+
+The transcriptions below are DeepSpeed's ``DynamicLossScaler.update_scale``
+(deepspeed/runtime/fp16/loss_scaler.py) in its two growth tests: the modulo release the
+conversion matches, and the stable_interval release it reports as a loss.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ampbridge import LossScaleError, initial_state, next_state, trajectory
+from ampbridge import recipes
+
+HERE = Path(__file__).parent / "recipes"
+
+
+class DynamicLossScaler:
+    """DeepSpeed's DynamicLossScaler: scale_factor 2, delayed_shift = hysteresis, raise at the minimum.
+
+    ``growth_test="modulo"``: microsoft/DeepSpeed 0336518 and earlier,
+    ``(cur_iter - last_overflow_iter) % scale_window == 0``.
+    ``growth_test="stable_interval"``: deepspeedai/DeepSpeed 18fd4c9,
+    ``stable_interval = cur_iter - last_overflow_iter - 1; stable_interval > 0 and stable_interval % scale_window == 0``.
+    """
+
+    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis,
+                 raise_error_at_min_scale=True, growth_test="modulo"):
+        self.cur_scale = init_scale
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_factor = 2.0
+        self.scale_window = scale_window
+        self.min_scale = min_scale
+        self.delayed_shift = delayed_shift
+        self.cur_hysteresis = delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.raise_error_at_min_scale = raise_error_at_min_scale
+        self.growth_test = growth_test
+
+    def grows(self):
+        if self.growth_test == "modulo":
+            return (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0
+        stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+        return stable_interval > 0 and stable_interval % self.scale_window == 0
+
+    def update_scale(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if self.grows():
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+def from_config(config, growth_test="modulo"):
+    """DeepSpeed's own scaler, built from the fp16 section as deepspeed/runtime/precision_config.py does."""
+    fp16 = config["fp16"]
+    return DynamicLossScaler(init_scale=2 ** fp16.get("initial_scale_power", 16),
+                             scale_window=fp16.get("loss_scale_window", 1000),
+                             min_scale=fp16.get("min_loss_scale", 1),
+                             delayed_shift=fp16.get("hysteresis", 2),
+                             consecutive_hysteresis=fp16.get("consecutive_hysteresis", False),
+                             growth_test=growth_test)
+
+
+def overflow_sequence():
+    """A fixed run: lone overflows the hysteresis absorbs, bursts that back off, long clean stretches."""
+    seq = [True]                      # absorbed (hysteresis 2 -> 1)
+    seq += [False] * 999 + [False]    # the 1000th clean step grows (and refills hysteresis)
+    seq += [True, True, True]         # one absorbed, two back off
+    seq += [False] * 2500             # two growths
+    seq += [True, False, True]        # absorbed, clean, back off (hysteresis not refilled without growth)
+    seq += [False] * 1000 + [True] * 5 + [False] * 3000
+    return seq
+
+
+def paired(config, seq, release="modulo"):
+    policy = recipes.from_deepspeed(config, release=release).result
+    cfg = policy.resolved_loss_scale
+    ds = from_config(config, release)
+    state = initial_state(cfg)
+    pairs = []
+    for found_inf in seq:
+        try:
+            ds.update_scale(found_inf)
+        except Exception:  # DeepSpeed exits at the minimum: so must the converted policy, at the same step
+            with pytest.raises(LossScaleError):
+                next_state(cfg, state, found_inf)
+            pairs.append(("raised", "raised"))
+            break
+        state = next_state(cfg, state, found_inf)
+        pairs.append(((state.scale, state.hysteresis_left), (ds.cur_scale, ds.cur_hysteresis)))
+    return pairs
+
+
+@pytest.mark.parametrize("file", ["ds_fp16_dynamic.json", "ds_zero2_hf_auto.json"])
+def test_converted_recipe_follows_deepspeeds_trajectory(file):
+    config = json.loads((HERE / file).read_text())
+    if config["fp16"]["enabled"] == "auto":
+        config["fp16"]["enabled"] = True  # what the Trainer fills in with --fp16
+    pairs = paired(config, overflow_sequence())
+    assert [ours for ours, _ in pairs] == [theirs for _, theirs in pairs]
+    scales = [ours[0] for ours, _ in pairs]
+    assert scales[0] == 65536.0 and scales[1000] == 131072.0  # absorbed, then grown after 1000 clean steps
+    assert min(scales) < 65536.0 < max(scales)  # the sequence backs off and grows
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("hysteresis,window", [(1, 3), (2, 5), (3, 4), (4, 1), (2, 50)])
+def test_short_windows_and_hysteresis(consecutive, hysteresis, window):
+    """Overflows as training makes them: a step overflows when scale x gradient passes float16's range."""
+    import random
+
+    rng = random.Random(hysteresis * 100 + window)
+    config = {"fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": window,
+                       "hysteresis": hysteresis, "consecutive_hysteresis": consecutive, "min_loss_scale": 1},
+              "zero_optimization": {"stage": 3}}
+    cfg = recipes.from_deepspeed(config, release="modulo").result.resolved_loss_scale
+    ds, state = from_config(config), initial_state(cfg)
+    seq, scales = [], set()
+    for _ in range(5000):
+        found_inf = ds.cur_scale * rng.lognormvariate(-8, 3) > 65504.0
+        seq.append(found_inf)
+        ds.update_scale(found_inf)
+        state = next_state(cfg, state, found_inf)
+        assert (state.scale, state.hysteresis_left) == (ds.cur_scale, ds.cur_hysteresis), len(seq)
+        scales.add(state.scale)
+    assert 0.01 < sum(seq) / len(seq) < 0.8 and len(scales) >= 4  # overflows both absorbed and backed off
+
+
+def test_minimum_scale_raises_at_the_same_step():
+    config = {"fp16": {"enabled": True, "initial_scale_power": 3, "hysteresis": 2, "min_loss_scale": 1},
+              "zero_optimization": {"stage": 2}}
+    cfg = recipes.from_deepspeed(config, release="modulo").result.resolved_loss_scale
+    assert cfg.on_min_scale == "error"
+    ds, state = from_config(config), initial_state(cfg)
+    for step, found_inf in enumerate([True] * 10):
+        try:
+            ds.update_scale(found_inf)
+        except Exception:
+            with pytest.raises(LossScaleError):
+                next_state(cfg, state, found_inf)
+            break
+        state = next_state(cfg, state, found_inf)
+    assert step == 4  # one absorbed, 8 -> 4 -> 2 -> 1, then DeepSpeed exits
+
+
+def test_the_later_release_grows_one_step_later_and_the_conversion_says_so():
+    config = json.loads((HERE / "ds_fp16_dynamic.json").read_text())
+    conversion = recipes.from_deepspeed(config)  # today's release
+    assert [loss.setting for loss in conversion.losses] == ["fp16.loss_scale_window"]
+    seq = overflow_sequence()
+    pairs = paired(config, seq, release="stable_interval")
+    differing = [i for i, (ours, theirs) in enumerate(pairs) if ours != theirs]
+    assert differing, "the two releases must differ on this sequence"
+    # the first difference: ampbridge (and the modulo release) grow on the 1000th clean step; the
+    # later release would on the 1001st, which overflows, so its hysteresis is never refilled either
+    assert differing[0] == 1000
+    assert pairs[1000] == ((131072.0, 2), (65536, 1))
+    assert pairs[1001] == ((131072.0, 1), (32768.0, 1))
+
+
+def test_static_scale_recipe_keeps_its_scale_and_skips():
+    policy = recipes.load(HERE / "ds_fp16_static.json").result
+    states = trajectory(policy.resolved_loss_scale, [False, True, False, True])
+    assert {s.scale for s in states} == {128.0} and states[-1].skipped == 2
