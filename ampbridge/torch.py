@@ -333,38 +333,52 @@ class _Forward:
         self.module, self.spec, self.previous = module, spec, previous
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # kept flat (this runs for every pinned module on every forward): no helper frames on the
+        # common path of tensor arguments, one region, no parameter presentation
         spec, module = self.spec, self.module
-        if spec.input_dtype is not None:
-            args = tuple(_cast_floating(a, spec.input_dtype) for a in args)
+        dtype = spec.input_dtype
+        if dtype is not None:
+            args = tuple((a.to(dtype) if a.is_floating_point() and a.dtype != dtype else a)
+                         if isinstance(a, torch.Tensor) else _cast_floating(a, dtype) for a in args)
             if kwargs:
-                kwargs = {k: _cast_floating(v, spec.input_dtype) for k, v in kwargs.items()}
+                kwargs = {k: _cast_floating(v, dtype) for k, v in kwargs.items()}
         present = spec.param_dtype
         if spec.params_follow_input:
             present = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
-        if spec.root:
-            with _matmul_precision(spec.matmul_precision), _region(spec.device_type, spec.region):
-                out = self._run(present, args, kwargs)
-        else:
-            with _region(spec.device_type, spec.region):
-                out = self._run(present, args, kwargs)
-        return _cast_floating(out, spec.output_dtype) if spec.output_dtype is not None else out
-
-    def _run(self, present: torch.dtype | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if present is None:
-            return self._inner(*args, **kwargs)
-        with _params_as(self.module, present):
-            return self._inner(*args, **kwargs)
-
-    def _inner(self, *args: Any, **kwargs: Any) -> Any:
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
         # looked up at call time: FSDP2's fully_shard swaps the module's class after apply
-        return type(self.module).forward(self.module, *args, **kwargs)
+        inner = self.previous if self.previous is not None else type(module).forward.__get__(module)
+        region = spec.region
+        if region is None:
+            scope: Any = contextlib.nullcontext()
+        elif region is torch.float32:
+            scope = torch.autocast(spec.device_type, enabled=False)
+        else:
+            scope = torch.autocast(spec.device_type, dtype=region)
+        if spec.root:
+            with _matmul_precision(spec.matmul_precision), scope:
+                out = inner(*args, **kwargs) if present is None else _call_with_params(module, present, inner,
+                                                                                        args, kwargs)
+        else:
+            with scope:
+                out = inner(*args, **kwargs) if present is None else _call_with_params(module, present, inner,
+                                                                                        args, kwargs)
+        dtype = spec.output_dtype
+        if dtype is None:
+            return out
+        if isinstance(out, torch.Tensor):
+            return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
+        return _cast_floating(out, dtype)
 
 
 def _keep_slow_path(module: nn.Module, args: Any) -> None:
     """A no-op forward pre-hook: TransformerEncoderLayer skips its fused eval fast path (which would
     bypass its children's forwards, and with them their rules) while any hook is attached."""
+
+
+def _call_with_params(module: nn.Module, dtype: torch.dtype, inner: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+    with _params_as(module, dtype):
+        return inner(*args, **kwargs)
 
 
 def _installed(module: nn.Module) -> _Forward | None:
@@ -710,10 +724,11 @@ class GradScaler(torch.amp.GradScaler):
         self._steps = state.steps  # known on the host exactly: one per update()
         self._skipped: torch.Tensor | None = None  # float64: exact to 2^53, and a single add_ per step
         self._host_state = state  # used while the scaler is disabled (mode none, no skipping)
+        self._host_steps = state.steps
         self._warned = False
         self._found_read: dict[int, bool] = {}  # optimizer id -> found_inf read in step() (no extra sync)
         self._at_min_read: bool | None = None
-        self._last_result: StepResult = StepResult(True)
+        self._last_result: StepResult = _APPLIED
 
     # configuration
 
@@ -804,10 +819,9 @@ class GradScaler(torch.amp.GradScaler):
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the loss-scale state by one step (the reference ``next_state``)."""
-        if not self._enabled:
-            self._host_state = LossScaleState(1.0, 0, self._host_state.hysteresis_left,
-                                              self._host_state.steps + 1, self._host_state.skipped)
-            self._last_result = StepResult(True)
+        if not self._enabled:  # mode none without skipping: only the step counter moves
+            self._host_steps += 1
+            self._last_result = _APPLIED
             return
         if new_scale is not None:
             super().update(new_scale)
@@ -841,8 +855,10 @@ class GradScaler(torch.amp.GradScaler):
             # one optimizer on one device: found_inf is exactly 0.0 or 1.0
             self._skipped.add_(found_flag if len(found_infs) == 1 else (found_flag > 0))
         skip = self.config.skip_nonfinite
-        self._last_result = StepResult(not (known and skip) if known is not None else
-                                       (found_flag if skip else True))
+        if known is not None:
+            self._last_result = _SKIPPED if known and skip else _APPLIED
+        else:
+            self._last_result = StepResult(found_flag) if skip else _APPLIED
         self._found_read.clear()
         self._at_min_read = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -895,7 +911,8 @@ class GradScaler(torch.amp.GradScaler):
     def loss_scale_state(self) -> LossScaleState:
         """The five reference fields (reads the device: a sync)."""
         if not self._enabled:
-            return self._host_state
+            h = self._host_state
+            return LossScaleState(1.0, 0, h.hysteresis_left, self._host_steps, h.skipped)
         if self._scale is None:
             return self._pending
         assert self._growth_tracker is not None and self._hysteresis_left is not None
@@ -911,7 +928,7 @@ class GradScaler(torch.amp.GradScaler):
             state = LossScaleState(f32(self.config.initial_scale), 0, state.hysteresis_left, state.steps,
                                    state.skipped)
         self._host_state = self._pending = state
-        self._steps = state.steps
+        self._steps = self._host_steps = state.steps
         self._init_scale, self._init_growth_tracker = state.scale, state.good_steps
         if self._scale is not None:
             assert self._growth_tracker is not None and self._hysteresis_left is not None
@@ -958,7 +975,7 @@ class GradScaler(torch.amp.GradScaler):
         state["_pending"] = self.loss_scale_state()
         for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped"):
             state[name] = None
-        state["_last_result"] = StepResult(True)
+        state["_last_result"] = _APPLIED
         return state
 
     def reconfigure(self, config: LossScaleConfig, *, compute_dtype: str = "float16", reset: bool = False) -> None:
@@ -996,6 +1013,9 @@ class StepResult:
 
     def __repr__(self) -> str:
         return f"StepResult({bool(self)})"
+
+
+_APPLIED, _SKIPPED = StepResult(True), StepResult(False)
 
 
 # --- apply -------------------------------------------------------------------------------------
@@ -1059,7 +1079,9 @@ class TorchAmp:
         self.policy = policy  # the whole policy, schedule included
         self.device_type = device_type
         self._position = {"step": 0, "epoch": 0}
+        self._unit = policy.phase_unit
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._last_optimizers: list[Any] = []
         self._phase_index = policy.phase_index(step=0, epoch=0) if policy.phases else None
         phase_policy = policy.at(step=0, epoch=0)
         resolved, notes = _resolve_for_device(phase_policy, device_type)
@@ -1175,8 +1197,9 @@ class TorchAmp:
         ``optimizer`` may be a sequence of optimizers sharing one loss. Gradients are not zeroed.
         """
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        for opt in optimizers:
-            self._optimizers.add(opt)
+        if optimizers != self._last_optimizers:
+            self._optimizers.update(optimizers)
+            self._last_optimizers = optimizers
         with _matmul_precision(self._resolved.matmul_precision):
             self.scaler.scale(loss).backward()
             for opt in optimizers:
@@ -1184,7 +1207,7 @@ class TorchAmp:
             self.scaler.update()
         result = self.scaler.last_step_result
         self._position["step"] += 1
-        if self.policy.phase_unit == "step":
+        if self._unit == "step":
             self._switch_to(self.policy.phase_index(step=self._position["step"]))
         return result
 
