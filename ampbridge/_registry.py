@@ -18,10 +18,11 @@ from types import ModuleType
 from typing import Any
 
 # backend name -> (modules whose presence makes it a candidate, adapter module)
+# Keras comes first: under the torch Keras backend a Keras layer is also a torch.nn.Module.
 BACKENDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "torch": (("torch",), "ampbridge.torch"),
     "keras": (("keras",), "ampbridge.keras"),
     "jax": (("flax", "jax"), "ampbridge.jax"),
+    "torch": (("torch",), "ampbridge.torch"),
 }
 ALIASES = {"pt": "torch", "pytorch": "torch", "tf": "keras", "tensorflow": "keras",
            "tf.keras": "keras", "flax": "jax", "nnx": "jax"}

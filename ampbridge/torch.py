@@ -40,6 +40,7 @@ import copy
 import functools
 import inspect
 import logging
+import sys
 import warnings
 import weakref
 from collections import defaultdict
@@ -97,8 +98,15 @@ def native_dtype(name: str) -> torch.dtype:
 
 
 def owns(obj: Any) -> bool:
-    """True for a ``torch.nn.Module`` (the registry's question)."""
-    return isinstance(obj, nn.Module)
+    """True for a ``torch.nn.Module`` that is not a Keras layer (the registry's question).
+
+    Under the torch Keras backend every Keras layer is also an ``nn.Module``; those belong to
+    ``ampbridge.keras``, whose dtype policies they obey.
+    """
+    if not isinstance(obj, nn.Module):
+        return False
+    keras = sys.modules.get("keras")
+    return not (keras is not None and isinstance(obj, keras.layers.Layer))
 
 
 def _as_policy(policy: Policy | str | Path) -> Policy:
