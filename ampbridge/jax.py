@@ -395,8 +395,12 @@ def _facts(module: Any) -> _Facts:
                   any(c.__name__ == "BatchNorm" for c in type(module).__mro__), odd)
 
 
-def _row_notes(row: PlanRow, facts: _Facts) -> PlanRow:
-    """Say where Flax itself computes in another dtype than the row asks (its own machinery)."""
+def _row_notes(row: PlanRow, facts: _Facts, output_dtype: str | None = None) -> PlanRow:
+    """Say where Flax itself computes in another dtype than the row asks (its own machinery).
+
+    ``output_dtype`` (the policy's) is what the root row ``""`` delivers: the model's outputs are
+    cast to it, as in every backend.
+    """
     notes = []
     low = row.compute_dtype != "float32"
     if row.kind == "norm" and low and facts.float32_reductions:
@@ -408,9 +412,14 @@ def _row_notes(row: PlanRow, facts: _Facts) -> PlanRow:
         notes.append("running statistics (batch_stats) kept in float32")
     if facts.odd_dtype is not None:
         notes.append(f"the module's dtype={facts.odd_dtype} is not a float dtype; left as set")
-    if not notes:
+    changes = {}
+    if row.path == "" and output_dtype is not None:  # the model itself: what its caller receives
+        changes["output_dtype"] = output_dtype
+        if output_dtype != row.compute_dtype:
+            notes.append(f"model outputs cast to output_dtype {output_dtype}")
+    if not notes and not changes:
         return row
-    return with_note(row, "; ".join(notes))
+    return with_note(row, "; ".join(notes) or row.note, **changes)
 
 
 class _Resolver:
@@ -494,6 +503,7 @@ class _LinenInterceptor:
         self.resolver = resolver
         self.record = record
         self.observer = observer
+        self.depth = 0  # module calls in progress; 0 on entry: the model's own (outermost) call
 
     def __call__(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
@@ -507,9 +517,15 @@ class _LinenInterceptor:
         compute = _DTYPES[row.compute_dtype]
         args, kwargs = _cast_tree((args, kwargs), compute)
         attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
-        with _attributes(module, **attrs):
-            out = next_fun(*args, **kwargs)
-        out = _cast_tree(out, _DTYPES[row.output_dtype])
+        outermost = self.depth == 0
+        self.depth += 1
+        try:
+            with _attributes(module, **attrs):
+                out = next_fun(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        # the model's own call delivers the policy's output_dtype (the root row says so)
+        out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
         if self.observer is not None:
             own = module.variables.get("params", {}) if module.scope is not None else {}
             params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
@@ -778,10 +794,9 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
     plan_notes = list(notes) + [
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
         f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
-        f"the model's outputs are cast to output_dtype {policy.output_dtype}",
     ]
     return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
-                      adjust=lambda row: _row_notes(row, facts.get(row.path, _Facts())))
+                      adjust=lambda row: _row_notes(row, facts.get(row.path, _Facts()), policy.output_dtype))
 
 
 # --- flax.nnx ---------------------------------------------------------------------------------
@@ -815,10 +830,9 @@ def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[st
     plan_notes = list(notes) + [
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
         f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
-        f"the model's outputs are cast to output_dtype {policy.output_dtype}",
     ]
     return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
-                      adjust=lambda row: _row_notes(row, _facts(instances.get(row.path))))
+                      adjust=lambda row: _row_notes(row, _facts(instances.get(row.path)), policy.output_dtype))
 
 
 _NNX_SUBCLASSES: dict[type, type] = {}
