@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -71,6 +72,8 @@ __all__ = [
     "Applied",
     "AmpState",
     "LossScaleState",
+    "Monitor",
+    "Numerics",
     "Schedule",
     "apply",
     "cast",
@@ -83,6 +86,7 @@ __all__ = [
     "initial_loss_scale",
     "loss_scale",
     "next_loss_scale",
+    "numerics",
     "optimizer",
     "owns",
     "plan",
@@ -516,6 +520,9 @@ class _LinenInterceptor:
         row = self.resolver.row(_linen_chain(module))
         compute = _DTYPES[row.compute_dtype]
         args, kwargs = _cast_tree((args, kwargs), compute)
+        probe = _watched(self.resolver, _linen_path(module))
+        if probe is not None:
+            args, kwargs = _watch(_watch_inputs, (args, kwargs), probe)
         attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
         outermost = self.depth == 0
         self.depth += 1
@@ -526,6 +533,8 @@ class _LinenInterceptor:
             self.depth -= 1
         # the model's own call delivers the policy's output_dtype (the root row says so)
         out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
+        if probe is not None:
+            out = _watch(_watch_outputs, out, probe)
         if self.observer is not None:
             own = module.variables.get("params", {}) if module.scope is not None else {}
             params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
@@ -1420,6 +1429,483 @@ def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConf
         return x._replace(loss_scale=LossScaleState.from_reference(after, hits))
 
     return jax.tree_util.tree_map(move, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
+
+
+# --- numerics: per-layer statistics, overflow attribution, the monitor ------------------------
+
+class _Watch:
+    """What :func:`numerics` is tracing: module paths seen (discovery) or the probes to place."""
+
+    def __init__(self, resolver: _Resolver, probes: Mapping[str, jax.Array] | None = None):
+        self.resolver = resolver
+        self.probes = probes
+        self.seen: dict[str, None] = {}  # call order, each path once
+
+
+_WATCH: "contextvars.ContextVar[_Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
+
+
+def _watched(resolver: _Resolver, path: str) -> jax.Array | None:
+    """The probe for the module at ``path`` while :func:`numerics` traces this model, else None."""
+    watch = _WATCH.get()
+    if watch is None or watch.resolver is not resolver:
+        return None
+    if watch.probes is None:
+        watch.seen.setdefault(path, None)
+        return None
+    return watch.probes.get(path)
+
+
+def _any_nonfinite(xs: Sequence[jax.Array]) -> jax.Array:
+    return functools.reduce(jnp.logical_or, [~jnp.all(jnp.isfinite(x)) for x in xs], jnp.zeros((), bool))
+
+
+# Two identities whose backward passes report through the gradient of a dummy ``probe`` (2,):
+# [0] counts calls whose forward output was non-finite (a residual of the forward pass, so it
+# crosses scan/remat boundaries like any gradient), [1] calls whose input cotangent was.
+@jax.custom_vjp
+def _watch_outputs(xs: tuple, probe: jax.Array) -> tuple:
+    return xs
+
+
+def _watch_outputs_fwd(xs: tuple, probe: jax.Array) -> tuple:
+    return xs, _any_nonfinite(xs)
+
+
+def _watch_outputs_bwd(bad: jax.Array, ct: tuple) -> tuple:
+    return ct, jnp.stack([bad.astype(jnp.float32), jnp.zeros((), jnp.float32)])
+
+
+_watch_outputs.defvjp(_watch_outputs_fwd, _watch_outputs_bwd)
+
+
+@jax.custom_vjp
+def _watch_inputs(xs: tuple, probe: jax.Array) -> tuple:
+    return xs
+
+
+def _watch_inputs_fwd(xs: tuple, probe: jax.Array) -> tuple:
+    return xs, None
+
+
+def _watch_inputs_bwd(_: None, ct: tuple) -> tuple:
+    return ct, jnp.stack([jnp.zeros((), jnp.float32), _any_nonfinite(ct).astype(jnp.float32)])
+
+
+_watch_inputs.defvjp(_watch_inputs_fwd, _watch_inputs_bwd)
+
+
+def _watch(fn: Callable, tree: Any, probe: jax.Array) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    picked = [i for i, x in enumerate(leaves) if _is_float_array(x)]
+    if not picked:
+        return tree
+    for i, x in zip(picked, fn(tuple(leaves[i] for i in picked), probe)):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
+_WHERE = (None, "output", "gradient", "loss")
+_STAT_COUNTS = ("zero", "nonfinite", "underflow", "overflow")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["step", "loss", "loss_scale", "found_inf", "skipped", "sampled", "counts",
+                                "magnitudes", "output_nonfinite", "gradient_nonfinite", "where", "origin"],
+                   meta_fields=["layers", "sizes", "compute_dtypes", "paths", "leaves"])
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """What :func:`numerics` returns from inside the jitted step: arrays, and static path names.
+
+    Arrays: ``step`` (the optimizer step this is, ``loss_scale(opt_state).steps``), ``loss``
+    (unscaled), ``loss_scale`` (the scale used), ``found_inf``, ``skipped``, ``sampled`` (per-layer
+    statistics computed this step), ``counts`` (int32, one row per layer: zero, non-finite,
+    underflow, overflow element counts), ``magnitudes`` (float32 rows: max-abs and RMS of the
+    finite unscaled gradients), ``output_nonfinite`` / ``gradient_nonfinite`` (one flag per leaf
+    module: its forward output, the gradient with respect to its inputs), and the attribution
+    ``where`` (0 none, 1 output, 2 gradient, 3 loss) with ``origin`` (an index into ``paths``).
+    Static: ``layers`` (the parameter-owning Plan paths the rows stand for), their ``sizes``
+    (elements) and ``compute_dtypes``; ``paths`` (leaves and layers, forward order), ``leaves``.
+
+    On the host, :meth:`layer_stats` and :meth:`first_nonfinite` give the log's values.
+    """
+
+    step: Any
+    loss: Any
+    loss_scale: Any
+    found_inf: Any
+    skipped: Any
+    sampled: Any
+    counts: Any
+    magnitudes: Any
+    output_nonfinite: Any
+    gradient_nonfinite: Any
+    where: Any
+    origin: Any
+    layers: tuple[str, ...] = ()
+    sizes: tuple[int, ...] = ()
+    compute_dtypes: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+    leaves: tuple[str, ...] = ()
+
+    def layer_stats(self) -> dict[str, dict[str, float]]:
+        """Per layer, the statistics of ``ampbridge._runlog.layer_stats`` (reads the device)."""
+        if not bool(self.sampled):
+            return {}
+        counts, magnitudes = np.asarray(self.counts), np.asarray(self.magnitudes)
+        out = {}
+        for i, path in enumerate(self.layers):
+            n = max(self.sizes[i], 1)
+            entry = {"grad_max_abs": float(magnitudes[i, 0]), "grad_rms": float(magnitudes[i, 1])}
+            entry.update({k: int(counts[i, j]) / n for j, k in enumerate(_STAT_COUNTS)})
+            out[path] = entry
+        return out
+
+    def first_nonfinite(self) -> dict[str, str] | None:
+        """``{"path": ..., "where": "output" | "gradient" | "loss"}`` on a non-finite step, else None."""
+        where = _WHERE[int(self.where)]
+        if where is None:
+            return None
+        return {"path": "" if where == "loss" else self.paths[int(self.origin)], "where": where}
+
+
+def _bits_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(biased exponent, integer significand, its power of two) of |x| for float32 bits ``x``."""
+    exp, man = (x >> 23) & 0xFF, x & 0x7FFFFF
+    return exp, jnp.where(exp == 0, man, man | 0x800000), jnp.where(exp == 0, -149, exp - 150)
+
+
+def _below(mg: jax.Array, xg: jax.Array, ms: jax.Array, xs: jax.Array, e: int) -> jax.Array:
+    """``mg * 2**xg < ms * 2**xs * 2**-e`` exactly, in integer arithmetic (no subnormal flushing)."""
+    d = xg - xs + e  # compare mg * 2**d with ms (ms in [1, 2**24) for a non-zero scale)
+    power = jax.lax.bitcast_convert_type((jnp.clip(d, -24, 23) + 127) << 23, jnp.float32)
+    middle = mg.astype(jnp.float32) * power < ms.astype(jnp.float32)  # exact: both sides normal
+    return jnp.where(d >= 24, False, jnp.where(d <= -25, True, middle))
+
+
+def _leaf_counts(g: jax.Array, scale_parts: tuple, compute: str) -> tuple[jax.Array, ...]:
+    """(zero, non-finite, underflow, overflow) element counts and the finite max |g| of one leaf."""
+    from ._dtypes import formats
+
+    fmt = formats()[compute]
+    e = int(round(-np.log2(fmt.smallest_subnormal)))
+    x = g.astype(jnp.float32) if g.dtype != jnp.float32 else g  # exact: float16/bfloat16 widen
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF  # bits: no denormals-are-zero
+    exp, mg, xg = _bits_parts(bits)
+    finite = exp != 0xFF
+    nonzero = bits != 0
+    s_bits, ms, xs = scale_parts
+    under = finite & nonzero & (s_bits != 0) & _below(mg, xg, ms, xs, e)
+    ax = jnp.abs(x)
+    over = finite & (ax > np.float32(fmt.max))
+    i32 = jnp.int32
+    return (jnp.sum(~nonzero, dtype=i32), jnp.sum(~finite, dtype=i32), jnp.sum(under, dtype=i32),
+            jnp.sum(over, dtype=i32), jnp.max(jnp.where(finite, ax, 0), initial=0.0))
+
+
+def _layer_statistics(owned: Mapping[str, list], compute: Mapping[str, str], scale: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    """``counts`` (L, 4) int32 and ``magnitudes`` (L, 2) float32 for the layers in ``owned``."""
+    s_bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+    _, ms, xs = _bits_parts(s_bits)
+    counts, magnitudes = [], []
+    for path, leaves in owned.items():
+        parts = [_leaf_counts(g, (s_bits, ms, xs), compute[path]) for g in leaves]
+        counts.append(jnp.stack([functools.reduce(jnp.add, [p[k] for p in parts]) for k in range(4)]))
+        top = functools.reduce(jnp.maximum, [p[4] for p in parts])  # finite max |g|, scaled
+        safe = jnp.where(top > 0, top, 1.0)
+        # RMS relative to the maximum: no float32 overflow of the squares, whatever the scale
+        squares = functools.reduce(jnp.add, [
+            jnp.sum(jnp.where(jnp.isfinite(x), jnp.square(jnp.abs(x) / safe), 0.0))
+            for x in (g.astype(jnp.float32) for g in leaves)])
+        n_finite = sum(int(np.prod(g.shape)) for g in leaves) - counts[-1][1]
+        rms = jnp.where(n_finite > 0, top * jnp.sqrt(squares / jnp.maximum(n_finite, 1)), jnp.nan)
+        top = jnp.where(n_finite > 0, top, jnp.nan)
+        magnitudes.append(jnp.stack([top / scale, rms / scale]))
+    if not counts:
+        return jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 2), jnp.float32)
+    return jnp.stack(counts), jnp.stack(magnitudes).astype(jnp.float32)
+
+
+def _owned_leaves(grads: Any) -> dict[str, list]:
+    """The floating gradient leaves by the path of the module that owns them."""
+    owned: dict[str, list] = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            continue
+        owner = join_path(*[_key_name(k) for k in keypath[:-1]])
+        owned.setdefault(owner, []).append(leaf)
+    return owned
+
+
+def _leaves_of(paths: Sequence[str]) -> list[str]:
+    """The paths with no other path below them (the model itself only when it is alone)."""
+    def has_child(p: str) -> bool:
+        return any(q != p and (p == "" or q.startswith(p + ".")) for q in paths)
+
+    return [p for p in paths if not has_child(p)]
+
+
+def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
+             every: int | None = 1, attribution: bool = True) -> Callable[..., tuple[Any, Any, Numerics]]:
+    """``jax.value_and_grad`` for a loss-scaled step, plus the step's numerics, all on the device.
+
+    ``numerics(amp, loss_fn, opt_state)(params, *args)`` returns ``(loss, grads, stats)``:
+    ``loss_fn(params, *args)`` returns the plain loss (or ``(loss, aux)`` with ``has_aux``;
+    then the first result is ``(loss, aux)``); it is scaled by the ``opt_state``'s loss scale
+    (:func:`scale_loss`) and differentiated, so ``grads`` are what ``tx.update`` expects and equal
+    those of the hand-written step bit for bit. ``stats`` is a :class:`Numerics` of arrays:
+
+    - per layer owning parameters (its Plan path), counts and magnitudes from which
+      ``ampbridge._runlog.layer_stats`` follows exactly, of the scaled gradients against the row's
+      compute dtype; computed every ``every``-th optimizer step (``lax.cond`` on the step counter
+      in the loss-scale state; 1: every step; None: never, for a second compiled step without them);
+    - with ``attribution``, flags per leaf module: its forward output was non-finite (the method
+      interceptor watches every output), the gradient with respect to its inputs was (an identity
+      with a ``custom_vjp`` reports the cotangent's finiteness through the gradient of a dummy
+      probe argument), and the attribution itself (the first output in forward order, else the
+      first gradient in backward order, which is the last flagged leaf in forward order).
+
+    Nothing syncs with the host and no callback is added; read ``stats`` with a :class:`Monitor`.
+    With ``attribution`` the model is traced once more (abstractly) to learn its leaf modules.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ampbridge
+        >>> policy = ampbridge.preset("mixed_float16")
+        >>> amp = apply(nn.Sequential([nn.Dense(4), nn.Dense(1)]), policy)
+        >>> x = jnp.ones((2, 3))
+        >>> params = amp.init(jax.random.key(0), x)["params"]
+        >>> tx = optimizer(optax.sgd(0.1), policy)
+        >>> opt_state = tx.init(params)
+        >>> @jax.jit
+        ... def step(params, opt_state, x):
+        ...     loss_fn = lambda p, x: jnp.mean(amp.apply({"params": p}, x) ** 2)
+        ...     loss, grads, stats = numerics(amp, loss_fn, opt_state)(params, x)
+        ...     updates, opt_state = tx.update(grads, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state, stats
+        >>> params, opt_state, stats = step(params, opt_state, x)  # the first scale, 2**16, overflows here
+        >>> stats.layers, bool(stats.skipped), stats.first_nonfinite()
+        (('layers_0', 'layers_1'), True, {'path': 'layers_1', 'where': 'gradient'})
+        >>> sorted(stats.layer_stats()["layers_0"])
+        ['grad_max_abs', 'grad_rms', 'nonfinite', 'overflow', 'underflow', 'zero']
+    """
+    if not isinstance(model, Applied):
+        raise TypeError(f"ampbridge.jax.numerics needs the Applied model from ampbridge.jax.apply(linen_module, "
+                        f"policy); received {type(model).__name__}")
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
+                         "or None (no per-layer statistics)")
+    cfg = model.policy.resolved_loss_scale
+    scaled_mode = cfg.mode in ("dynamic", "static")
+    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
+
+    def run(params: Any, *args: Any) -> tuple[Any, Any, Numerics]:
+        def call(p: Any, watch: _Watch | None) -> Any:
+            token = _WATCH.set(watch)
+            try:
+                return loss_fn(p, *args)
+            finally:
+                _WATCH.reset(token)
+
+        order: list[str] = []
+        leaves: list[str] = []
+        if attribution:
+            discovery = _Watch(model._resolver)
+            jax.eval_shape(lambda p: call(p, discovery), params)
+            order = list(discovery.seen)
+            leaves = _leaves_of(order)
+        probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
+        ls = loss_scale(opt_state)
+
+        def scaled(p: Any, probes: Any) -> tuple[jax.Array, tuple]:
+            out = call(p, _Watch(model._resolver, probes) if attribution else None)
+            loss, aux = out if has_aux else (out, None)
+            value = scale_loss(loss, opt_state)
+            return value, (loss, aux, value)
+
+        (_, (loss, aux, value)), (grads, probe_grads) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True)(params, probes)
+
+        # found_inf and skipped exactly as the optimizer decides them (the same ops: XLA shares them)
+        if scaled_mode:
+            inv = jnp.ones((), jnp.float32) / ls.scale
+            unscaled = jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), grads)
+        else:
+            unscaled = grads
+        owned = _owned_leaves(grads)
+        owned_unscaled = _owned_leaves(unscaled)
+        bad_layer = {path: ~_all_finite(owned_unscaled[path]) for path in owned}
+        finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
+                  if checks_finite else jnp.ones((), bool))
+        _, halted = _advance(cfg, ls, ~finite)
+        skipped = jnp.zeros((), bool)
+        if cfg.skip_nonfinite:
+            skipped = skipped | ~finite
+        if cfg.on_min_scale == "error" and cfg.min_scale is not None:
+            skipped = skipped | halted
+
+        known = order or list(model._known)
+        position = {p: i for i, p in enumerate(known)}
+        layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
+        owned = {p: owned[p] for p in layers}
+        rows = model._rows_for_paths(layers)
+        compute = {p: rows[p].compute_dtype for p in layers}
+        sizes = tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers)
+
+        def compute_stats(_: Any) -> tuple[jax.Array, jax.Array]:
+            return _layer_statistics(owned, compute, ls.scale)
+
+        def no_stats(_: Any) -> tuple[jax.Array, jax.Array]:
+            return (jnp.zeros((len(layers), 4), jnp.int32), jnp.full((len(layers), 2), jnp.nan, jnp.float32))
+
+        if every is None:
+            sampled = jnp.zeros((), bool)
+            counts, magnitudes = no_stats(None)
+        elif every == 1:
+            sampled = jnp.ones((), bool)
+            counts, magnitudes = compute_stats(None)
+        else:
+            sampled = ls.steps % every == 0
+            counts, magnitudes = jax.lax.cond(sampled, compute_stats, no_stats, None)
+
+        # attribution: candidates are the leaf modules (then any other layer owning parameters)
+        paths = tuple(sorted(set(leaves) | set(layers), key=lambda p: (position.get(p, len(position)), p)))
+        index = {p: i for i, p in enumerate(paths)}
+        out_flags = jnp.stack([probe_grads[p][0] > 0 for p in leaves]) if leaves else jnp.zeros((0,), bool)
+        in_flags = jnp.stack([probe_grads[p][1] > 0 for p in leaves]) if leaves else jnp.zeros((0,), bool)
+        none = jnp.int32(-1)
+
+        def first(flags: list[tuple[str, jax.Array]]) -> jax.Array:
+            found = none
+            for path, flag in reversed(flags):
+                found = jnp.where(flag, jnp.int32(index[path]), found)
+            return found
+
+        leaf_set = set(leaves)
+        by_output = first([(p, out_flags[i]) for i, p in enumerate(leaves)])
+        gradient_flags = [(p, in_flags[i] | bad_layer.get(p, False)) for i, p in enumerate(leaves)]
+        by_gradient = first(list(reversed(gradient_flags)))  # the first in backward order
+        by_params = first([(p, bad_layer[p]) for p in reversed(layers) if p not in leaf_set])
+        loss_bad = ~jnp.isfinite(value)
+        i32 = jnp.int32
+        where = jnp.where(finite, i32(0), jnp.where(by_output >= 0, i32(1), jnp.where(
+            loss_bad, i32(3), jnp.where((by_gradient >= 0) | (by_params >= 0), i32(2), i32(3)))))
+        origin = jnp.where(where == 1, by_output, jnp.where(by_gradient >= 0, by_gradient, by_params))
+        origin = jnp.where(where == 2, origin, jnp.where(where == 1, by_output, none))
+
+        stats = Numerics(step=ls.steps, loss=jnp.asarray(loss, jnp.float32), loss_scale=ls.scale,
+                         found_inf=~finite, skipped=skipped, sampled=sampled, counts=counts,
+                         magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=in_flags,
+                         where=where, origin=origin, layers=tuple(layers), sizes=sizes,
+                         compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves))
+        return ((loss, aux) if has_aux else loss), grads, stats
+
+    return run
+
+
+class Monitor:
+    """Writes the shared numerics log (``ampbridge report`` reads it) from :func:`numerics` results.
+
+    ``Monitor(path, amp, *example_inputs, every=N)`` (or ``Monitor(path, plan, every=N)``) writes
+    the header from the Plan; ``record(step, stats)`` after each step (``step=None``: the
+    optimizer's own counter, ``stats.step``). Per-layer statistics are written every ``every``-th
+    step (step 0 included) when the step computed them (give :func:`numerics` the same
+    ``every``); a step whose gradients were non-finite is always written, with its attribution.
+
+    Reading costs no stall: ``record`` starts an asynchronous copy of what it needs (the whole
+    ``stats`` on a sampled step, ``found_inf`` otherwise) and writes the previous step, whose
+    values have arrived by then; ``flush()`` / ``close()`` write the rest. Usable as a context
+    manager.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, tempfile, os, ampbridge
+        >>> policy = ampbridge.preset("mixed_float16")
+        >>> amp = apply(nn.Dense(1), policy)
+        >>> x = jnp.ones((2, 3))
+        >>> params = amp.init(jax.random.key(0), x)["params"]
+        >>> tx = optimizer(optax.sgd(0.1), policy)
+        >>> opt_state = tx.init(params)
+        >>> @jax.jit
+        ... def step(params, opt_state, x):
+        ...     loss, grads, stats = numerics(amp, lambda p: jnp.mean(amp.apply({"params": p}, x) ** 2),
+        ...                                   opt_state)(params)
+        ...     updates, opt_state = tx.update(grads, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state, stats
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with Monitor(path, amp, x, every=1) as monitor:
+        ...     for i in range(3):
+        ...         params, opt_state, stats = step(params, opt_state, x)
+        ...         monitor.record(i, stats)
+        >>> [s["step"] for s in ampbridge._runlog.read_log(path).steps]
+        [0, 1, 2]
+    """
+
+    def __init__(self, path: Any, model: Applied | Plan, *example_inputs: Any, every: int = 1,
+                 **plan_kwargs: Any):
+        from ._runlog import RunLogWriter
+
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"ampbridge.jax.Monitor: every={every!r}; accepted: a positive int (1: every step)")
+        if isinstance(model, Plan):
+            plan_ = model
+        elif isinstance(model, Applied):
+            plan_ = model.plan(*example_inputs, warn=False, **plan_kwargs)
+        else:
+            raise TypeError(f"ampbridge.jax.Monitor needs the Applied model (with example inputs) or its Plan; "
+                            f"received {type(model).__name__}")
+        policy = plan_.policy
+        self.plan = plan_
+        self.every = every
+        self._writer = RunLogWriter(path, framework=FRAMEWORK, compute_dtype=policy.compute_dtype,
+                                    layers=[r.path for r in plan_ if r.path], policy=_io.policy_to_dict(policy),
+                                    min_scale=policy.resolved_loss_scale.min_scale)
+        self._pending: list[tuple[int | None, Numerics]] = []
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is one with per-layer statistics (``step % every == 0``)."""
+        return int(step) % self.every == 0
+
+    def record(self, step: int | None, stats: Numerics) -> None:
+        """Queue one step's :class:`Numerics`; writes the previous one (no wait for this step)."""
+        if not isinstance(stats, Numerics):
+            raise TypeError(f"Monitor.record needs the Numerics from ampbridge.jax.numerics; received "
+                            f"{type(stats).__name__}")
+        wanted = jax.tree_util.tree_leaves(stats) if step is None or self.due(step) else [stats.found_inf]
+        for leaf in wanted:
+            if hasattr(leaf, "copy_to_host_async"):
+                leaf.copy_to_host_async()
+        self._pending.append((step, stats))
+        while len(self._pending) > 1:
+            self._write(*self._pending.pop(0))
+
+    def _write(self, step: int | None, stats: Numerics) -> None:
+        if step is None:
+            step = int(stats.step)
+        found_inf = bool(stats.found_inf)
+        due = self.due(step)
+        if not (due or found_inf):
+            return
+        host = jax.device_get(stats)  # one transfer of the small arrays (already on their way)
+        loss = float(host.loss)
+        self._writer.step(step, loss=loss if np.isfinite(loss) else None, loss_scale=float(host.loss_scale),
+                          found_inf=found_inf, skipped=bool(host.skipped),
+                          layers=host.layer_stats() if due else None,
+                          first_nonfinite=host.first_nonfinite() if found_inf else None)
+
+    def flush(self) -> None:
+        """Write every queued step."""
+        while self._pending:
+            self._write(*self._pending.pop(0))
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Schedule:
