@@ -260,14 +260,6 @@ def test_clear_errors():
         abj.cast({}, Policy(), to="params")
 
 
-def test_environment_switch_disables_mixed_precision(monkeypatch):
-    monkeypatch.setenv("AMPBRIDGE_DISABLE", "1")
-    with pytest.warns(ampbridge.AmpBridgeWarning, match="AMPBRIDGE_DISABLE"):
-        amp = abj.apply(nn.Dense(2), ampbridge.preset("mixed_float16"))
-    assert amp.policy.compute_dtype == "float32"
-    assert any("environment" in n for n in amp.notes)
-
-
 def test_the_registry_dispatches_flax_modules_here(demo, monkeypatch):
     from ampbridge import _registry
 
