@@ -520,9 +520,9 @@ class _LinenInterceptor:
         row = self.resolver.row(_linen_chain(module))
         compute = _DTYPES[row.compute_dtype]
         args, kwargs = _cast_tree((args, kwargs), compute)
-        probe = _watched(self.resolver, _linen_path(module))
-        if probe is not None:
-            args, kwargs = _watch(_watch_inputs, (args, kwargs), probe)
+        watch = _watched(self.resolver, _linen_path(module))
+        if watch is not None and watch[1]:
+            args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
         attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
         outermost = self.depth == 0
         self.depth += 1
@@ -533,8 +533,8 @@ class _LinenInterceptor:
             self.depth -= 1
         # the model's own call delivers the policy's output_dtype (the root row says so)
         out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
-        if probe is not None:
-            out = _watch(_watch_outputs, out, probe)
+        if watch is not None:
+            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
         if self.observer is not None:
             own = module.variables.get("params", {}) if module.scope is not None else {}
             params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
@@ -1436,47 +1436,56 @@ def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConf
 class _Watch:
     """What :func:`numerics` is tracing: module paths seen (discovery) or the probes to place."""
 
-    def __init__(self, resolver: _Resolver, probes: Mapping[str, jax.Array] | None = None):
+    def __init__(self, resolver: _Resolver, probes: Mapping[str, jax.Array] | None = None, *,
+                 inputs: bool = True):
         self.resolver = resolver
         self.probes = probes
+        self.inputs = inputs  # watch input cotangents (else output cotangents)
         self.seen: dict[str, None] = {}  # call order, each path once
 
 
 _WATCH: "contextvars.ContextVar[_Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
 
 
-def _watched(resolver: _Resolver, path: str) -> jax.Array | None:
-    """The probe for the module at ``path`` while :func:`numerics` traces this model, else None."""
+def _watched(resolver: _Resolver, path: str) -> tuple[jax.Array, bool] | None:
+    """(probe, watch inputs) for the module at ``path`` while :func:`numerics` traces this model."""
     watch = _WATCH.get()
     if watch is None or watch.resolver is not resolver:
         return None
     if watch.probes is None:
         watch.seen.setdefault(path, None)
         return None
-    return watch.probes.get(path)
+    probe = watch.probes.get(path)
+    return None if probe is None else (probe, watch.inputs)
 
 
 def _any_nonfinite(xs: Sequence[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.logical_or, [~jnp.all(jnp.isfinite(x)) for x in xs], jnp.zeros((), bool))
 
 
-# Two identities whose backward passes report through the gradient of a dummy ``probe`` (2,):
+def _flags(forward: Any, backward: Any) -> jax.Array:
+    return jnp.stack([jnp.asarray(forward, jnp.float32), jnp.asarray(backward, jnp.float32)])
+
+
+# Identities whose backward passes report through the gradient of a dummy ``probe`` (2,):
 # [0] counts calls whose forward output was non-finite (a residual of the forward pass, so it
-# crosses scan/remat boundaries like any gradient), [1] calls whose input cotangent was.
+# crosses scan/remat boundaries like any gradient); [1] calls whose input cotangent was
+# (``_watch_inputs``) or, with ``_watch_output_gradients``, whose output cotangent was.
 @jax.custom_vjp
 def _watch_outputs(xs: tuple, probe: jax.Array) -> tuple:
     return xs
 
 
-def _watch_outputs_fwd(xs: tuple, probe: jax.Array) -> tuple:
-    return xs, _any_nonfinite(xs)
+_watch_outputs.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)), lambda bad, ct: (ct, _flags(bad, 0)))
 
 
-def _watch_outputs_bwd(bad: jax.Array, ct: tuple) -> tuple:
-    return ct, jnp.stack([bad.astype(jnp.float32), jnp.zeros((), jnp.float32)])
+@jax.custom_vjp
+def _watch_output_gradients(xs: tuple, probe: jax.Array) -> tuple:
+    return xs
 
 
-_watch_outputs.defvjp(_watch_outputs_fwd, _watch_outputs_bwd)
+_watch_output_gradients.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)),
+                               lambda bad, ct: (ct, _flags(bad, _any_nonfinite(ct))))
 
 
 @jax.custom_vjp
@@ -1484,15 +1493,7 @@ def _watch_inputs(xs: tuple, probe: jax.Array) -> tuple:
     return xs
 
 
-def _watch_inputs_fwd(xs: tuple, probe: jax.Array) -> tuple:
-    return xs, None
-
-
-def _watch_inputs_bwd(_: None, ct: tuple) -> tuple:
-    return ct, jnp.stack([jnp.zeros((), jnp.float32), _any_nonfinite(ct).astype(jnp.float32)])
-
-
-_watch_inputs.defvjp(_watch_inputs_fwd, _watch_inputs_bwd)
+_watch_inputs.defvjp(lambda xs, probe: (xs, None), lambda _, ct: (ct, _flags(0, _any_nonfinite(ct))))
 
 
 def _watch(fn: Callable, tree: Any, probe: jax.Array) -> Any:
@@ -1512,7 +1513,7 @@ _STAT_COUNTS = ("zero", "nonfinite", "underflow", "overflow")
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["step", "loss", "loss_scale", "found_inf", "skipped", "sampled", "counts",
                                 "magnitudes", "output_nonfinite", "gradient_nonfinite", "where", "origin"],
-                   meta_fields=["layers", "sizes", "compute_dtypes", "paths", "leaves"])
+                   meta_fields=["layers", "sizes", "compute_dtypes", "paths", "leaves", "watched"])
 @dataclasses.dataclass(frozen=True)
 class Numerics:
     """What :func:`numerics` returns from inside the jitted step: arrays, and static path names.
@@ -1522,10 +1523,17 @@ class Numerics:
     statistics computed this step), ``counts`` (int32, one row per layer: zero, non-finite,
     underflow, overflow element counts), ``magnitudes`` (float32 rows: max-abs and RMS of the
     finite unscaled gradients), ``output_nonfinite`` / ``gradient_nonfinite`` (one flag per leaf
-    module: its forward output, the gradient with respect to its inputs), and the attribution
-    ``where`` (0 none, 1 output, 2 gradient, 3 loss) with ``origin`` (an index into ``paths``).
-    Static: ``layers`` (the parameter-owning Plan paths the rows stand for), their ``sizes``
-    (elements) and ``compute_dtypes``; ``paths`` (leaves and layers, forward order), ``leaves``.
+    module: its forward output; the gradient with respect to its inputs, or its outputs when
+    ``watched == "outputs"``), and the attribution ``where`` (0 none, 1 output, 2 gradient,
+    3 loss) with ``origin`` (an index into ``paths``). Static: ``layers`` (the parameter-owning
+    Plan paths the rows stand for), their ``sizes`` (elements) and ``compute_dtypes``; ``paths``
+    (leaves and layers, forward order), ``leaves``, ``watched``.
+
+    Attribution, on a non-finite step: ``output`` names the first leaf in forward order whose
+    output was non-finite; otherwise a non-finite loss is ``loss``; otherwise ``gradient`` names
+    the first leaf in backward order (the last in forward order) whose input gradient or own
+    parameter gradient went non-finite, then a non-leaf layer's own parameters; ``loss`` when
+    nothing else explains it.
 
     On the host, :meth:`layer_stats` and :meth:`first_nonfinite` give the log's values.
     """
@@ -1547,6 +1555,7 @@ class Numerics:
     compute_dtypes: tuple[str, ...] = ()
     paths: tuple[str, ...] = ()
     leaves: tuple[str, ...] = ()
+    watched: str = "inputs"
 
     def layer_stats(self) -> dict[str, dict[str, float]]:
         """Per layer, the statistics of ``ampbridge._runlog.layer_stats`` (reads the device)."""
@@ -1569,59 +1578,66 @@ class Numerics:
         return {"path": "" if where == "loss" else self.paths[int(self.origin)], "where": where}
 
 
-def _bits_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(biased exponent, integer significand, its power of two) of |x| for float32 bits ``x``."""
-    exp, man = (x >> 23) & 0xFF, x & 0x7FFFFF
-    return exp, jnp.where(exp == 0, man, man | 0x800000), jnp.where(exp == 0, -149, exp - 150)
+_F32_ABS = 0x7FFFFFFF
 
 
-def _below(mg: jax.Array, xg: jax.Array, ms: jax.Array, xs: jax.Array, e: int) -> jax.Array:
-    """``mg * 2**xg < ms * 2**xs * 2**-e`` exactly, in integer arithmetic (no subnormal flushing)."""
-    d = xg - xs + e  # compare mg * 2**d with ms (ms in [1, 2**24) for a non-zero scale)
-    power = jax.lax.bitcast_convert_type((jnp.clip(d, -24, 23) + 127) << 23, jnp.float32)
-    middle = mg.astype(jnp.float32) * power < ms.astype(jnp.float32)  # exact: both sides normal
-    return jnp.where(d >= 24, False, jnp.where(d <= -25, True, middle))
+def _underflow_limit_bits(scale: jax.Array, e: int) -> jax.Array:
+    """The bits of the smallest float32 >= ``scale * 2**-e`` (exact, from integer arithmetic).
+
+    Non-negative float32 values order like their bit patterns, so ``|g| < scale * 2**-e`` is
+    ``bits(|g|) < this`` for every float32 ``g``: no float comparison, which XLA's CPU would make
+    with subnormals flushed to zero (bfloat16's limit, 2**-133 times the scale, is subnormal).
+    """
+    bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32) & _F32_ABS
+    exp, man = bits >> 23, bits & 0x7FFFFF
+    normal = bits - (e << 23)  # the exponent field drops by e, the significand stays
+    significand = jnp.where(exp == 0, man, man | 0x800000)
+    shift = jnp.clip(e + 1 - jnp.maximum(exp, 1), 0, 25)  # to subnormal units of 2**-149
+    subnormal = (significand + (1 << shift) - 1) >> shift  # rounded up: a strict limit stays strict
+    return jnp.where(exp - e >= 1, normal, jnp.where(bits == 0, 0, subnormal))
 
 
-def _leaf_counts(g: jax.Array, scale_parts: tuple, compute: str) -> tuple[jax.Array, ...]:
-    """(zero, non-finite, underflow, overflow) element counts and the finite max |g| of one leaf."""
-    from ._dtypes import formats
+def _leaf_statistics(g: jax.Array, limit_bits: jax.Array, max_bits: int) -> tuple[jax.Array, ...]:
+    """(zero, non-finite, underflow, overflow) counts and the bits of the finite max |g| of one leaf.
 
-    fmt = formats()[compute]
-    e = int(round(-np.log2(fmt.smallest_subnormal)))
-    x = g.astype(jnp.float32) if g.dtype != jnp.float32 else g  # exact: float16/bfloat16 widen
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF  # bits: no denormals-are-zero
-    exp, mg, xg = _bits_parts(bits)
-    finite = exp != 0xFF
-    nonzero = bits != 0
-    s_bits, ms, xs = scale_parts
-    under = finite & nonzero & (s_bits != 0) & _below(mg, xg, ms, xs, e)
-    ax = jnp.abs(x)
-    over = finite & (ax > np.float32(fmt.max))
+    All from the bit pattern of ``|g|`` (float16/bfloat16 gradients widen to float32 exactly).
+    """
+    x = g.astype(jnp.float32) if g.dtype != jnp.float32 else g
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_ABS
+    finite = bits < _F32_INF_BITS
     i32 = jnp.int32
-    return (jnp.sum(~nonzero, dtype=i32), jnp.sum(~finite, dtype=i32), jnp.sum(under, dtype=i32),
-            jnp.sum(over, dtype=i32), jnp.max(jnp.where(finite, ax, 0), initial=0.0))
+    return (jnp.sum(bits == 0, dtype=i32), jnp.sum(~finite, dtype=i32),
+            jnp.sum((bits != 0) & (bits < limit_bits), dtype=i32),
+            jnp.sum(finite & (bits > max_bits), dtype=i32),
+            jnp.max(jnp.where(finite, bits, 0), initial=0))
 
 
 def _layer_statistics(owned: Mapping[str, list], compute: Mapping[str, str], scale: jax.Array
                       ) -> tuple[jax.Array, jax.Array]:
     """``counts`` (L, 4) int32 and ``magnitudes`` (L, 2) float32 for the layers in ``owned``."""
-    s_bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-    _, ms, xs = _bits_parts(s_bits)
+    from ._dtypes import formats
+
     counts, magnitudes = [], []
+    limits: dict[str, jax.Array] = {}
     for path, leaves in owned.items():
-        parts = [_leaf_counts(g, (s_bits, ms, xs), compute[path]) for g in leaves]
-        counts.append(jnp.stack([functools.reduce(jnp.add, [p[k] for p in parts]) for k in range(4)]))
-        top = functools.reduce(jnp.maximum, [p[4] for p in parts])  # finite max |g|, scaled
-        safe = jnp.where(top > 0, top, 1.0)
-        # RMS relative to the maximum: no float32 overflow of the squares, whatever the scale
+        fmt = formats()[compute[path]]
+        if fmt.name not in limits:
+            e = int(round(-np.log2(fmt.smallest_subnormal)))  # a power of two in every format
+            limits[fmt.name] = _underflow_limit_bits(scale, e)
+        parts = [_leaf_statistics(g, limits[fmt.name], _f32_bits(fmt.max)) for g in leaves]
+        layer_counts = [functools.reduce(jnp.add, [p[k] for p in parts]) for k in range(4)]
+        counts.append(jnp.stack(layer_counts))
+        top_bits = functools.reduce(jnp.maximum, [p[4] for p in parts])
+        top = jax.lax.bitcast_convert_type(top_bits, jnp.float32)
+        # squares relative to a power of two near the maximum: no float32 overflow, exact scaling
+        unit = jax.lax.bitcast_convert_type(jnp.clip(254 - (top_bits >> 23), 1, 254) << 23, jnp.float32)
         squares = functools.reduce(jnp.add, [
-            jnp.sum(jnp.where(jnp.isfinite(x), jnp.square(jnp.abs(x) / safe), 0.0))
+            jnp.sum(jnp.where(jnp.isfinite(x), jnp.square(x * unit), 0.0))
             for x in (g.astype(jnp.float32) for g in leaves)])
-        n_finite = sum(int(np.prod(g.shape)) for g in leaves) - counts[-1][1]
-        rms = jnp.where(n_finite > 0, top * jnp.sqrt(squares / jnp.maximum(n_finite, 1)), jnp.nan)
-        top = jnp.where(n_finite > 0, top, jnp.nan)
-        magnitudes.append(jnp.stack([top / scale, rms / scale]))
+        n_finite = sum(int(np.prod(g.shape)) for g in leaves) - layer_counts[1]
+        rms = jnp.sqrt(squares / jnp.maximum(n_finite, 1).astype(jnp.float32)) / unit
+        some = n_finite > 0
+        magnitudes.append(jnp.stack([jnp.where(some, top / scale, jnp.nan), jnp.where(some, rms / scale, jnp.nan)]))
     if not counts:
         return jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 2), jnp.float32)
     return jnp.stack(counts), jnp.stack(magnitudes).astype(jnp.float32)
@@ -1646,28 +1662,77 @@ def _leaves_of(paths: Sequence[str]) -> list[str]:
     return [p for p in paths if not has_child(p)]
 
 
+def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index: list[int], leaf_params_bad: list,
+               other_params_bad: list[tuple[int, jax.Array]], *, inputs: bool) -> tuple[jax.Array, ...]:
+    """(where, origin, forward flags, gradient flags) from the probes' gradients, on the device.
+
+    Leaves are in forward order. ``output``: the first leaf whose forward output was non-finite.
+    ``gradient``: the first leaf in backward order, i.e. the last in forward order, whose input
+    gradient (or own parameter gradient) went non-finite; watching output gradients instead, the
+    leaf after the last one whose output gradient went non-finite (its input gradient fed that one).
+    Then a non-leaf layer's own parameters; ``loss`` when nothing else explains it.
+    """
+    i32 = jnp.int32
+    k = len(probes)
+    forward = jnp.stack([p[0] > 0 for p in probes]) if k else jnp.zeros((0,), bool)
+    backward = jnp.stack([p[1] > 0 for p in probes]) if k else jnp.zeros((0,), bool)
+    params_bad = jnp.stack(leaf_params_bad) if k else jnp.zeros((0,), bool)
+    order = jnp.arange(k, dtype=i32)
+
+    def last(mask: jax.Array) -> jax.Array:
+        return jnp.max(jnp.where(mask, order, -1), initial=-1)
+
+    first_output = jnp.min(jnp.where(forward, order, k), initial=k)
+    first_output = jnp.where(first_output < k, first_output, -1)
+    if inputs:
+        by_gradient = last(backward | params_bad)
+    else:
+        fed = last(backward)
+        after = jnp.where((fed >= 0) & (fed + 1 < k), fed + 1, -1)
+        by_gradient = jnp.maximum(after, last(params_bad & ~backward))
+    by_params = i32(-1)
+    for idx, bad in other_params_bad:  # forward order: the last flagged is the first in backward order
+        by_params = jnp.where(bad, i32(idx), by_params)
+    paths_of = jnp.asarray(leaf_index + [-1], i32)  # index -1 picks the trailing -1
+    where = jnp.where(finite, i32(0), jnp.where(first_output >= 0, i32(1), jnp.where(
+        loss_bad, i32(3), jnp.where((by_gradient >= 0) | (by_params >= 0), i32(2), i32(3)))))
+    origin = jnp.where(where == 1, paths_of[first_output], jnp.where(
+        where == 2, jnp.where(by_gradient >= 0, paths_of[by_gradient], by_params), i32(-1)))
+    return where, origin, forward, backward
+
+
 def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
-             every: int | None = 1, attribution: bool = True) -> Callable[..., tuple[Any, Any, Numerics]]:
+             every: int | None = 1, attribution: bool | str = True) -> Callable[..., tuple[Any, Any, Numerics]]:
     """``jax.value_and_grad`` for a loss-scaled step, plus the step's numerics, all on the device.
 
     ``numerics(amp, loss_fn, opt_state)(params, *args)`` returns ``(loss, grads, stats)``:
     ``loss_fn(params, *args)`` returns the plain loss (or ``(loss, aux)`` with ``has_aux``;
     then the first result is ``(loss, aux)``); it is scaled by the ``opt_state``'s loss scale
-    (:func:`scale_loss`) and differentiated, so ``grads`` are what ``tx.update`` expects and equal
-    those of the hand-written step bit for bit. ``stats`` is a :class:`Numerics` of arrays:
+    (:func:`scale_loss`) and differentiated, so ``grads`` are what ``tx.update`` expects.
+    ``stats`` is a :class:`Numerics` of arrays:
 
     - per layer owning parameters (its Plan path), counts and magnitudes from which
       ``ampbridge._runlog.layer_stats`` follows exactly, of the scaled gradients against the row's
       compute dtype; computed every ``every``-th optimizer step (``lax.cond`` on the step counter
       in the loss-scale state; 1: every step; None: never, for a second compiled step without them);
-    - with ``attribution``, flags per leaf module: its forward output was non-finite (the method
-      interceptor watches every output), the gradient with respect to its inputs was (an identity
-      with a ``custom_vjp`` reports the cotangent's finiteness through the gradient of a dummy
-      probe argument), and the attribution itself (the first output in forward order, else the
-      first gradient in backward order, which is the last flagged leaf in forward order).
+    - with ``attribution``, flags per leaf module (a module without submodules): its forward
+      output was non-finite (the method interceptor watches every output) and its gradient went
+      non-finite (identities with a ``custom_vjp`` report the cotangent's finiteness through the
+      gradient of a dummy probe argument, so they work through ``nn.scan``/``nn.remat``), and the
+      attribution (the first non-finite output in forward order, else the first non-finite
+      gradient in backward order, see :class:`Numerics`).
+
+    ``attribution=True`` (``"inputs"``) watches each leaf's input gradient, as torch's full
+    backward hooks do. That identity makes a module's input gradient one sum before it joins
+    the other uses of its input, so where an input is also used elsewhere (a residual), float16
+    gradients can differ from a step without it by float16 rounding (about 1e-3 relative). ``"outputs"``
+    watches output gradients only and leaves ``grads`` bit-identical to the hand-written step;
+    it names the leaf after the last one whose output gradient went non-finite (exact in a
+    chain; in a fan-out, e.g. query/key/value, it may name a sibling). ``False``: no flags;
+    a non-finite step is then attributed by the parameter gradients alone.
 
     Nothing syncs with the host and no callback is added; read ``stats`` with a :class:`Monitor`.
-    With ``attribution`` the model is traced once more (abstractly) to learn its leaf modules.
+    With attribution the model is traced once more (abstractly) to learn its leaf modules.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ampbridge
@@ -1695,6 +1760,11 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
                          "or None (no per-layer statistics)")
+    if attribution not in (True, False, None, "inputs", "outputs"):
+        raise ValueError(f"ampbridge.jax.numerics: attribution={attribution!r}; accepted: True (= 'inputs'), "
+                         "'outputs', False")
+    watching = bool(attribution)
+    watch_inputs = attribution in (True, "inputs")
     cfg = model.policy.resolved_loss_scale
     scaled_mode = cfg.mode in ("dynamic", "static")
     checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
@@ -1709,7 +1779,7 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
 
         order: list[str] = []
         leaves: list[str] = []
-        if attribution:
+        if watching:
             discovery = _Watch(model._resolver)
             jax.eval_shape(lambda p: call(p, discovery), params)
             order = list(discovery.seen)
@@ -1718,7 +1788,7 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
         ls = loss_scale(opt_state)
 
         def scaled(p: Any, probes: Any) -> tuple[jax.Array, tuple]:
-            out = call(p, _Watch(model._resolver, probes) if attribution else None)
+            out = call(p, _Watch(model._resolver, probes, inputs=watch_inputs) if watching else None)
             loss, aux = out if has_aux else (out, None)
             value = scale_loss(loss, opt_state)
             return value, (loss, aux, value)
@@ -1771,33 +1841,16 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
         # attribution: candidates are the leaf modules (then any other layer owning parameters)
         paths = tuple(sorted(set(leaves) | set(layers), key=lambda p: (position.get(p, len(position)), p)))
         index = {p: i for i, p in enumerate(paths)}
-        out_flags = jnp.stack([probe_grads[p][0] > 0 for p in leaves]) if leaves else jnp.zeros((0,), bool)
-        in_flags = jnp.stack([probe_grads[p][1] > 0 for p in leaves]) if leaves else jnp.zeros((0,), bool)
-        none = jnp.int32(-1)
-
-        def first(flags: list[tuple[str, jax.Array]]) -> jax.Array:
-            found = none
-            for path, flag in reversed(flags):
-                found = jnp.where(flag, jnp.int32(index[path]), found)
-            return found
-
-        leaf_set = set(leaves)
-        by_output = first([(p, out_flags[i]) for i, p in enumerate(leaves)])
-        gradient_flags = [(p, in_flags[i] | bad_layer.get(p, False)) for i, p in enumerate(leaves)]
-        by_gradient = first(list(reversed(gradient_flags)))  # the first in backward order
-        by_params = first([(p, bad_layer[p]) for p in reversed(layers) if p not in leaf_set])
-        loss_bad = ~jnp.isfinite(value)
-        i32 = jnp.int32
-        where = jnp.where(finite, i32(0), jnp.where(by_output >= 0, i32(1), jnp.where(
-            loss_bad, i32(3), jnp.where((by_gradient >= 0) | (by_params >= 0), i32(2), i32(3)))))
-        origin = jnp.where(where == 1, by_output, jnp.where(by_gradient >= 0, by_gradient, by_params))
-        origin = jnp.where(where == 2, origin, jnp.where(where == 1, by_output, none))
-
+        where, origin, out_flags, grad_flags = _attribute(
+            finite, ~jnp.isfinite(value), [probe_grads[p] for p in leaves], [index[p] for p in leaves],
+            [bad_layer.get(p, jnp.zeros((), bool)) for p in leaves],
+            [(index[p], bad_layer[p]) for p in layers if p not in set(leaves)], inputs=watch_inputs)
         stats = Numerics(step=ls.steps, loss=jnp.asarray(loss, jnp.float32), loss_scale=ls.scale,
                          found_inf=~finite, skipped=skipped, sampled=sampled, counts=counts,
-                         magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=in_flags,
+                         magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
                          where=where, origin=origin, layers=tuple(layers), sizes=sizes,
-                         compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves))
+                         compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves),
+                         watched="inputs" if watch_inputs else "outputs")
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return run
