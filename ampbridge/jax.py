@@ -1606,10 +1606,15 @@ def _leaf_statistics(g: jax.Array, limit_bits: jax.Array, max_bits: int) -> tupl
     bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_ABS
     finite = bits < _F32_INF_BITS
     i32 = jnp.int32
-    return (jnp.sum(bits == 0, dtype=i32), jnp.sum(~finite, dtype=i32),
-            jnp.sum((bits != 0) & (bits < limit_bits), dtype=i32),
-            jnp.sum(finite & (bits > max_bits), dtype=i32),
-            jnp.max(jnp.where(finite, bits, 0), initial=0))
+    # one variadic reduce: one pass over the gradient (five separate ones cost ~20% more here)
+    operands = ((bits == 0).astype(i32), (~finite).astype(i32), ((bits != 0) & (bits < limit_bits)).astype(i32),
+                (finite & (bits > max_bits)).astype(i32), jnp.where(finite, bits, 0))
+    zero = jnp.zeros((), i32)
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], jnp.maximum(a[4], b[4]))
+
+    return jax.lax.reduce(operands, (zero,) * 5, combine, tuple(range(x.ndim)))
 
 
 def _layer_statistics(owned: Mapping[str, list], compute: Mapping[str, str], scale: jax.Array
@@ -1755,8 +1760,11 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
         ['grad_max_abs', 'grad_rms', 'nonfinite', 'overflow', 'underflow', 'zero']
     """
     if not isinstance(model, Applied):
+        nnx = sys.modules.get("flax.nnx")
+        hint = (" (flax.nnx models are not supported by numerics yet)"
+                if nnx is not None and isinstance(model, nnx.Module) else "")
         raise TypeError(f"ampbridge.jax.numerics needs the Applied model from ampbridge.jax.apply(linen_module, "
-                        f"policy); received {type(model).__name__}")
+                        f"policy); received {type(model).__name__}{hint}")
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
                          "or None (no per-layer statistics)")
