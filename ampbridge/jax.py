@@ -1527,7 +1527,7 @@ class Numerics:
     ``watched == "outputs"``), and the attribution ``where`` (0 none, 1 output, 2 gradient,
     3 loss) with ``origin`` (an index into ``paths``). Static: ``layers`` (the parameter-owning
     Plan paths the rows stand for), their ``sizes`` (elements) and ``compute_dtypes``; ``paths``
-    (leaves and layers, forward order), ``leaves``, ``watched``.
+    (leaves and layers, forward order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
 
     Attribution, on a non-finite step: ``output`` names the first leaf in forward order whose
     output was non-finite; otherwise a non-finite loss is ``loss``; otherwise ``gradient`` names
@@ -1858,7 +1858,7 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
                          magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
                          where=where, origin=origin, layers=tuple(layers), sizes=sizes,
                          compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves),
-                         watched="inputs" if watch_inputs else "outputs")
+                         watched=("inputs" if watch_inputs else "outputs") if watching else "none")
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return run

@@ -17,8 +17,9 @@ compute, float32 master weights, dynamic loss scaling and Adam. Variants:
 Reported: lowered StableHLO ops (``jax.jit(step).lower(...).as_text()``, ``func`` ops excluded),
 optimised HLO instructions (``.compile().as_text()``), host callbacks (must be 0), and step time:
 all variants in one process, interleaved round by round (rotating order), each round
-``--steps`` steps ending with ``block_until_ready`` (and ``monitor.flush()``); the ratio is the
-median over rounds of variant / plain.
+``--steps`` steps ending with ``block_until_ready`` (and ``monitor.flush()``); the ratios are the
+medians over rounds of variant / no monitor, of wall time and of this process's CPU time (XLA's
+threads included; steadier than wall time when other work shares the machine).
 
 Usage: python benchmarks/bench_monitor_jax.py [--rounds 15] [--steps 100] [--dim 64]
 """
@@ -148,13 +149,16 @@ def main() -> None:
         run(5)  # warm up
     names = list(variants)
     times = collections.defaultdict(list)
+    cpu = collections.defaultdict(list)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             variants[name][0](args.steps)
             times[name].append((time.perf_counter() - t0) / args.steps)
+            cpu[name].append((time.process_time() - c0) / args.steps)
     ratios = {name: [t / b for t, b in zip(times[name], times["no monitor"])] for name in names}
+    cpu_ratios = {name: [t / b for t, b in zip(cpu[name], cpu["no monitor"])] for name in names}
     def same_as_plain(name):
         return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
             jax.tree_util.tree_leaves(variants["no monitor"][1]["p"]), jax.tree_util.tree_leaves(variants[name][1]["p"])))
@@ -174,11 +178,11 @@ def main() -> None:
                       str(cb)))
     show(table)
     print()
-    table = [("train loop", "ms/step (median)", "ratio to no monitor (median)", "interquartile")]
+    table = [("train loop", "ms/step (median)", "wall ratio (median)", "interquartile", "CPU-time ratio (median)")]
     for name in names:
         q1, q3 = np.percentile(ratios[name], [25, 75])
         table.append((name, f"{statistics.median(times[name]) * 1e3:.3f}", f"{statistics.median(ratios[name]):.3f}",
-                      f"{q1:.3f}-{q3:.3f}"))
+                      f"{q1:.3f}-{q3:.3f}", f"{statistics.median(cpu_ratios[name]):.3f}"))
     show(table)
     print(f"\n{args.rounds} interleaved rounds of {args.steps} steps each")
 

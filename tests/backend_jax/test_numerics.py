@@ -228,23 +228,25 @@ def test_a_forward_overflow_names_the_layer_whose_output_overflowed(tmp_path):
                                                                         for s in steps if not s["found_inf"])
 
 
-@pytest.mark.parametrize("watch", ["inputs", "outputs"])
+@pytest.mark.parametrize("watch", ["inputs", "outputs", False])
 def test_a_backward_overflow_names_the_layer_whose_gradient_overflowed(tmp_path, watch):
     """Amplify's backward multiplies the cotangent by 1e30 (float16: inf); its forward, and every
     forward output, stays finite. The gradient then poisons every earlier layer; the first in
-    backward order is named. Through real steps, skipped each time."""
+    backward order is named. Through real steps, skipped each time. Without watching gradients
+    (attribution=False) the parameter gradients alone name the nearest layer with parameters."""
     amp, params, opt_state, step, x, y, _ = setup("backward", attribution=watch)
     log = tmp_path / "run.jsonl"
     with abj.Monitor(log, amp, x, every=1) as monitor:
         for i in range(3):
             params, opt_state, grads, stats = step(params, opt_state, x, y)
             monitor.record(i, stats)
-            assert not np.asarray(stats.output_nonfinite).any() and stats.watched == watch
+            assert not np.asarray(stats.output_nonfinite).any() and stats.watched == (watch or "none")
             flagged = [p for p, f in zip(stats.leaves, np.asarray(stats.gradient_nonfinite)) if f]
             # input gradients: amp's and everything before it; output gradients: before amp only
-            assert flagged == ["first", "block.mid", "block.amp"][:3 if watch == "inputs" else 2]
+            assert flagged == ["first", "block.mid", "block.amp"][:{"inputs": 3, "outputs": 2, False: 0}[watch]]
     steps = read_log(log).steps
-    assert [s["first_nonfinite"] for s in steps] == [{"path": "block.amp", "where": "gradient"}] * 3
+    named = "block.amp" if watch else "block.mid"
+    assert [s["first_nonfinite"] for s in steps] == [{"path": named, "where": "gradient"}] * 3
     assert [s["skipped"] for s in steps] == [True] * 3 and abj.loss_scale(opt_state).skipped == 3
 
 
