@@ -280,7 +280,9 @@ def cast(tree: Any, policy: Policy | str | Any, to: str = "compute", *,
         if plan:
             raise ValueError("cast: plan= needs a Policy, not a dtype")
         return _cast_tree(tree, dtype(policy))
-    policy = _phase_policy(policy)
+    from ._env import effective_policy
+
+    policy = _phase_policy(effective_policy(policy, FRAMEWORK))  # the bisect switch reaches pytrees too
     if policy.compute_dtype == "auto":
         policy = resolve_policy(policy, warn=False)[0]
     if not plan:

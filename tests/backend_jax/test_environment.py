@@ -51,7 +51,10 @@ def test_disable_runs_float32_and_says_so_once(demo, monkeypatch, inspect):
     assert {r.compute_dtype for r in plan} == {"float32"} and any("environment" in n for n in plan.notes)
     assert again.policy == ampbridge.preset("float32") and model.kernel[...].dtype == jnp.float32
     assert model(jnp.ones((1, 3))).dtype == jnp.float32
+    tree = {"w": jnp.ones(2), "step": 3}  # plain pytrees (equinox, haiku) follow the switch too
+    assert abj.cast_to_compute(tree, ampbridge.preset("mixed_bfloat16"))["w"].dtype == jnp.float32
     monkeypatch.setenv("AMPBRIDGE_DISABLE", "0")  # off means off
+    assert abj.cast_to_compute(tree, ampbridge.preset("mixed_bfloat16"))["w"].dtype == jnp.bfloat16
     assert abj.apply(nn.Dense(2), "mixed_float16").policy.compute_dtype == "float16"
 
 
