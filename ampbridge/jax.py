@@ -893,9 +893,12 @@ def _nnx_subclass(cls: type) -> type:
         original_call = cls.__call__
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            compute_name, output_name, final_name, precision, scope = self._ampbridge_row
+            compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
             compute = _DTYPES[compute_name]
             args, kwargs = _cast_tree((args, kwargs), compute)
+            watch = _watched(key, path)
+            if watch is not None and watch[1]:
+                args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
             own = [v for v in _own_variables(self) if _is_float_array(v.get_value())
                    and v.get_value().dtype != compute]
             stored = [v.get_value() for v in own]
@@ -911,6 +914,8 @@ def _nnx_subclass(cls: type) -> type:
             out = _cast_tree(out, _DTYPES[output_name])
             if final_name is not None:
                 out = _cast_tree(out, _DTYPES[final_name])
+            if watch is not None:
+                out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
             return out
 
         __call__.__doc__ = original_call.__doc__
@@ -919,6 +924,23 @@ def _nnx_subclass(cls: type) -> type:
                                           "__qualname__": cls.__qualname__})
         _NNX_SUBCLASSES[cls] = sub
         return sub
+
+
+class _NnxKey:
+    """One applied NNX model: its Plan and parameter owners, kept (by identity) in every module's
+    row, so :func:`numerics` finds them again after ``nnx.split``/``nnx.merge``."""
+
+    def __init__(self, plan: Plan, owners: Mapping[str, str]):
+        self.plan = plan
+        self.owners = dict(owners)
+
+    def __repr__(self) -> str:
+        return f"<ampbridge NNX plan of {len(self.plan)} modules>"
+
+
+def _nnx_key(model: Any) -> _NnxKey | None:
+    row = getattr(model, "_ampbridge_row", None)
+    return row[-1] if isinstance(row, tuple) and row and isinstance(row[-1], _NnxKey) else None
 
 
 def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
@@ -940,6 +962,7 @@ def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
         if _is_float_array(value):
             var.set_value(value.astype(jnp.float32))
     precision = MATMUL_PRECISION[policy.matmul_precision]
+    key = _NnxKey(plan_, owners)
     callable_paths = [p for p, m in instances.items() if _is_callable_module(m)]
     for path, sub in instances.items():
         row = plan_[path]
@@ -952,7 +975,7 @@ def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
                          key=len, default=None)
             scope = _class_name(sub) if path == "" else path[len(caller) + 1:] if caller else path
             object.__setattr__(sub, "_ampbridge_row",
-                               (row.compute_dtype, row.output_dtype, final, precision, scope))
+                               (row.compute_dtype, row.output_dtype, final, precision, scope, path, key))
             original = getattr(type(sub), "_ampbridge_original", type(sub))
             sub.__class__ = _nnx_subclass(original)
     return model
@@ -1438,9 +1461,8 @@ def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConf
 class _Watch:
     """What :func:`numerics` is tracing: module paths seen (discovery) or the probes to place."""
 
-    def __init__(self, resolver: _Resolver, probes: Mapping[str, jax.Array] | None = None, *,
-                 inputs: bool = True):
-        self.resolver = resolver
+    def __init__(self, owner: Any, probes: Mapping[str, jax.Array] | None = None, *, inputs: bool = True):
+        self.owner = owner  # the linen model's resolver, or the NNX model's key
         self.probes = probes
         self.inputs = inputs  # watch input cotangents (else output cotangents)
         self.seen: dict[str, None] = {}  # call order, each path once
@@ -1449,10 +1471,10 @@ class _Watch:
 _WATCH: "contextvars.ContextVar[_Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
 
 
-def _watched(resolver: _Resolver, path: str) -> tuple[jax.Array, bool] | None:
+def _watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
     """(probe, watch inputs) for the module at ``path`` while :func:`numerics` traces this model."""
     watch = _WATCH.get()
-    if watch is None or watch.resolver is not resolver:
+    if watch is None or watch.owner is not owner:
         return None
     if watch.probes is None:
         watch.seen.setdefault(path, None)
@@ -1515,7 +1537,7 @@ _STAT_COUNTS = ("zero", "nonfinite", "underflow", "overflow")
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["step", "loss", "loss_scale", "found_inf", "skipped", "sampled", "counts",
                                 "magnitudes", "output_nonfinite", "gradient_nonfinite", "where", "origin"],
-                   meta_fields=["layers", "sizes", "compute_dtypes", "paths", "leaves", "watched"])
+                   meta_fields=["layers", "sizes", "compute_dtypes", "paths", "leaves", "watched", "order"])
 @dataclasses.dataclass(frozen=True)
 class Numerics:
     """What :func:`numerics` returns from inside the jitted step: arrays, and static path names.
@@ -1558,6 +1580,7 @@ class Numerics:
     paths: tuple[str, ...] = ()
     leaves: tuple[str, ...] = ()
     watched: str = "inputs"
+    order: tuple[str, ...] = ()  # every module path the step called, in call (forward) order
 
     def layer_stats(self) -> dict[str, dict[str, float]]:
         """Per layer, the statistics of ``ampbridge._runlog.layer_stats`` (reads the device)."""
@@ -1708,14 +1731,17 @@ def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index:
     return where, origin, forward, backward
 
 
-def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
+def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
              every: int | None = 1, attribution: bool | str = True) -> Callable[..., tuple[Any, Any, Numerics]]:
     """``jax.value_and_grad`` for a loss-scaled step, plus the step's numerics, all on the device.
 
     ``numerics(amp, loss_fn, opt_state)(params, *args)`` returns ``(loss, grads, stats)``:
     ``loss_fn(params, *args)`` returns the plain loss (or ``(loss, aux)`` with ``has_aux``;
     then the first result is ``(loss, aux)``); it is scaled by the ``opt_state``'s loss scale
-    (:func:`scale_loss`) and differentiated, so ``grads`` are what ``tx.update`` expects.
+    (:func:`scale_loss`) and differentiated, so ``grads`` are what ``tx.update`` expects. For
+    NNX, ``numerics(model, loss_fn, optimizer)(model, *args)`` with ``loss_fn(model, *args)`` is
+    ``nnx.value_and_grad`` the same way (``grads``: the ``nnx.Param`` state, for
+    ``optimizer.update(model, grads)``).
     ``stats`` is a :class:`Numerics` of arrays:
 
     - per layer owning parameters (its Plan path), counts and magnitudes from which
@@ -1761,12 +1787,15 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
         >>> sorted(stats.layer_stats()["layers_0"])
         ['grad_max_abs', 'grad_rms', 'nonfinite', 'overflow', 'underflow', 'zero']
     """
-    if not isinstance(model, Applied):
-        nnx = sys.modules.get("flax.nnx")
-        hint = (" (flax.nnx models are not supported by numerics yet)"
-                if nnx is not None and isinstance(model, nnx.Module) else "")
-        raise TypeError(f"ampbridge.jax.numerics needs the Applied model from ampbridge.jax.apply(linen_module, "
-                        f"policy); received {type(model).__name__}{hint}")
+    nnx = sys.modules.get("flax.nnx")
+    key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
+    if isinstance(model, Applied):
+        owner, policy = model._resolver, model.policy
+    elif key is not None:
+        owner, policy = key, key.plan.policy
+    else:
+        raise TypeError(f"ampbridge.jax.numerics needs the model ampbridge.jax.apply returned (the Applied linen "
+                        f"model, or the NNX copy); received {type(model).__name__}")
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
                          "or None (no per-layer statistics)")
@@ -1775,11 +1804,11 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
                          "'outputs', False")
     watching = bool(attribution)
     watch_inputs = attribution in (True, "inputs")
-    cfg = model.policy.resolved_loss_scale
+    cfg = policy.resolved_loss_scale
     scaled_mode = cfg.mode in ("dynamic", "static")
     checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
 
-    def run(params: Any, *args: Any) -> tuple[Any, Any, Numerics]:
+    def run(target: Any, *args: Any) -> tuple[Any, Any, Numerics]:
         def call(p: Any, watch: _Watch | None) -> Any:
             token = _WATCH.set(watch)
             try:
@@ -1790,31 +1819,49 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
         order: list[str] = []
         leaves: list[str] = []
         if watching:
-            discovery = _Watch(model._resolver)
-            jax.eval_shape(lambda p: call(p, discovery), params)
+            discovery = _Watch(owner)
+            if key is None:
+                jax.eval_shape(lambda p: call(p, discovery), target)
+            else:  # on a throwaway copy: the model's own state is left alone
+                graphdef, state = nnx.split(target)
+                jax.eval_shape(lambda s: call(nnx.merge(graphdef, s), discovery), state)
             order = list(discovery.seen)
             leaves = _leaves_of(order)
         probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
         ls = loss_scale(opt_state)
 
         def scaled(p: Any, probes: Any) -> tuple[jax.Array, tuple]:
-            out = call(p, _Watch(model._resolver, probes, inputs=watch_inputs) if watching else None)
+            out = call(p, _Watch(owner, probes, inputs=watch_inputs) if watching else None)
             loss, aux = out if has_aux else (out, None)
             value = scale_loss(loss, opt_state)
             return value, (loss, aux, value)
 
-        (_, (loss, aux, value)), (grads, probe_grads) = jax.value_and_grad(
-            scaled, argnums=(0, 1), has_aux=True)(params, probes)
+        grad = jax.value_and_grad if key is None else nnx.value_and_grad
+        (_, (loss, aux, value)), (grads, probe_grads) = grad(scaled, argnums=(0, 1), has_aux=True)(target, probes)
+        if key is None:
+            owned = _owned_leaves(grads)
+            known = order or list(model._known)
+        else:
+            owned = {}
+            for keypath, var in nnx.to_flat_state(grads):
+                g = var.get_value() if hasattr(var, "get_value") else var.value
+                if jnp.issubdtype(jnp.result_type(g), jnp.floating):
+                    owned.setdefault(key.owners.get(_nnx_path(keypath), _nnx_path(keypath[:-1])), []).append(g)
+            known = order or [r.path for r in key.plan]
+        position = {p: i for i, p in enumerate(known)}
+        layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
+        owned = {p: owned[p] for p in layers}
+        if key is None:
+            rows = model._rows_for_paths(layers)
+            compute = {p: rows[p].compute_dtype for p in layers}
+        else:
+            compute = {p: (key.plan[p] if p in key.plan else key.plan[""]).compute_dtype for p in layers}
+        sizes = tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers)
 
         # found_inf and skipped exactly as the optimizer decides them (the same ops: XLA shares them)
-        if scaled_mode:
-            inv = jnp.ones((), jnp.float32) / ls.scale
-            unscaled = jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), grads)
-        else:
-            unscaled = grads
-        owned = _owned_leaves(grads)
-        owned_unscaled = _owned_leaves(unscaled)
-        bad_layer = {path: ~_all_finite(owned_unscaled[path]) for path in owned}
+        inv = jnp.ones((), jnp.float32) / ls.scale
+        bad_layer = {path: ~_all_finite([_unscale_leaf(g, inv) if scaled_mode else g for g in leaves_])
+                     for path, leaves_ in owned.items()}
         finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
                   if checks_finite else jnp.ones((), bool))
         _, halted = _advance(cfg, ls, ~finite)
@@ -1823,14 +1870,6 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
             skipped = skipped | ~finite
         if cfg.on_min_scale == "error" and cfg.min_scale is not None:
             skipped = skipped | halted
-
-        known = order or list(model._known)
-        position = {p: i for i, p in enumerate(known)}
-        layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
-        owned = {p: owned[p] for p in layers}
-        rows = model._rows_for_paths(layers)
-        compute = {p: rows[p].compute_dtype for p in layers}
-        sizes = tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers)
 
         def compute_stats(_: Any) -> tuple[jax.Array, jax.Array]:
             return _layer_statistics(owned, compute, ls.scale)
@@ -1860,7 +1899,8 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
                          magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
                          where=where, origin=origin, layers=tuple(layers), sizes=sizes,
                          compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves),
-                         watched=("inputs" if watch_inputs else "outputs") if watching else "none")
+                         watched=("inputs" if watch_inputs else "outputs") if watching else "none",
+                         order=tuple(order))
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return run
@@ -1869,8 +1909,9 @@ def numerics(model: Applied, loss_fn: Callable[..., Any], opt_state: Any, *, has
 class Monitor:
     """Writes the shared numerics log (``ampbridge report`` reads it) from :func:`numerics` results.
 
-    ``Monitor(path, amp, *example_inputs, every=N)`` (or ``Monitor(path, plan, every=N)``) writes
-    the header from the Plan; ``record(step, stats)`` after each step (``step=None``: the
+    ``Monitor(path, amp, *example_inputs, every=N)`` (an NNX model needs no inputs; or
+    ``Monitor(path, plan, every=N)``) writes the header from the Plan (with the first record:
+    its layers in the order the step called them); ``record(step, stats)`` after each step (``step=None``: the
     optimizer's own counter, ``stats.step``). Per-layer statistics are written every ``every``-th
     step (step 0 included) when the step computed them (give :func:`numerics` the same
     ``every``); a step whose gradients were non-finite is always written, with its attribution.
@@ -1903,26 +1944,40 @@ class Monitor:
         [0, 1, 2]
     """
 
-    def __init__(self, path: Any, model: Applied | Plan, *example_inputs: Any, every: int = 1,
+    def __init__(self, path: Any, model: Applied | Plan | Any, *example_inputs: Any, every: int = 1,
                  **plan_kwargs: Any):
-        from ._runlog import RunLogWriter
-
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"ampbridge.jax.Monitor: every={every!r}; accepted: a positive int (1: every step)")
+        nnx = sys.modules.get("flax.nnx")
+        key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
         if isinstance(model, Plan):
             plan_ = model
         elif isinstance(model, Applied):
             plan_ = model.plan(*example_inputs, warn=False, **plan_kwargs)
+        elif key is not None:
+            plan_ = key.plan
         else:
-            raise TypeError(f"ampbridge.jax.Monitor needs the Applied model (with example inputs) or its Plan; "
-                            f"received {type(model).__name__}")
-        policy = plan_.policy
+            raise TypeError(f"ampbridge.jax.Monitor needs the model ampbridge.jax.apply returned (a linen model "
+                            f"with example inputs, or the NNX copy) or its Plan; received {type(model).__name__}")
         self.plan = plan_
+        self.path = path
         self.every = every
-        self._writer = RunLogWriter(path, framework=FRAMEWORK, compute_dtype=policy.compute_dtype,
-                                    layers=[r.path for r in plan_ if r.path], policy=_io.policy_to_dict(policy),
-                                    min_scale=policy.resolved_loss_scale.min_scale)
+        self._writer: RunLogWriter | None = None
         self._pending: list[tuple[int | None, Numerics]] = []
+
+    def _open(self, order: Sequence[str] = ()) -> Any:
+        """Write the header: the Plan's paths in forward order (the order the step called them)."""
+        from ._runlog import RunLogWriter
+
+        if self._writer is None:
+            position = {p: i for i, p in enumerate(order)}
+            rows = [r.path for r in self.plan if r.path]
+            layers = sorted(rows, key=lambda p: (position.get(p, len(position)), rows.index(p)))
+            policy = self.plan.policy
+            self._writer = RunLogWriter(self.path, framework=FRAMEWORK, compute_dtype=policy.compute_dtype,
+                                        layers=layers, policy=_io.policy_to_dict(policy),
+                                        min_scale=policy.resolved_loss_scale.min_scale)
+        return self._writer
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is one with per-layer statistics (``step % every == 0``)."""
@@ -1942,6 +1997,7 @@ class Monitor:
             self._write(*self._pending.pop(0))
 
     def _write(self, step: int | None, stats: Numerics) -> None:
+        writer = self._open(stats.order)
         if step is None:
             step = int(stats.step)
         found_inf = bool(stats.found_inf)
@@ -1950,7 +2006,7 @@ class Monitor:
             return
         host = jax.device_get(stats)  # one transfer of the small arrays (already on their way)
         loss = float(host.loss)
-        self._writer.step(step, loss=loss if np.isfinite(loss) else None, loss_scale=float(host.loss_scale),
+        writer.step(step, loss=loss if np.isfinite(loss) else None, loss_scale=float(host.loss_scale),
                           found_inf=found_inf, skipped=bool(host.skipped),
                           layers=host.layer_stats() if due else None,
                           first_nonfinite=host.first_nonfinite() if found_inf else None)
@@ -1962,7 +2018,7 @@ class Monitor:
 
     def close(self) -> None:
         self.flush()
-        self._writer.close()
+        self._open().close()
 
     def __enter__(self) -> "Monitor":
         return self

@@ -372,10 +372,76 @@ def test_clear_errors(tmp_path):
     amp, params, opt_state, *_ = setup()
     with pytest.raises(ValueError, match="every=0; accepted: a positive int"):
         abj.numerics(amp, lambda p: 0.0, opt_state, every=0)
-    with pytest.raises(TypeError, match="needs the Applied model"):
+    with pytest.raises(TypeError, match="needs the model ampbridge.jax.apply returned"):
         abj.numerics(nn.Dense(2), lambda p: 0.0, opt_state)
     with pytest.raises(ValueError, match="every=-1"):
         abj.Monitor(tmp_path / "a.jsonl", amp, jnp.ones((1, 4)), every=-1)
     with abj.Monitor(tmp_path / "b.jsonl", amp, jnp.ones((1, 4))) as monitor:
         with pytest.raises(TypeError, match="needs the Numerics"):
             monitor.record(0, {"loss": 1.0})
+
+
+# --- flax.nnx -------------------------------------------------------------------------------
+
+def test_nnx_statistics_attribution_and_log(tmp_path):
+    """The same for an NNX model trained with nnx.Optimizer under nnx.jit: a forward overflow
+    in ``big`` (on the step fed large inputs) and a backward-only one in ``amp``."""
+    nnx = require("flax.nnx")
+
+    class Amp(nnx.Module):
+        def __call__(self, x):
+            return amplify(x)
+
+    class NnxNet(nnx.Module):
+        def __init__(self, rngs, plant: bool):
+            self.first = nnx.Linear(4, 8, rngs=rngs)
+            self.amp = Amp() if plant else None
+            self.big = nnx.Linear(8, 8, rngs=rngs)
+            self.head = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            x = jax.nn.relu(self.first(x))
+            if self.amp is not None:
+                x = self.amp(x)
+            return self.head(self.big(x))
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(1).normal(size=(16, 2)), jnp.float32)
+    policy = policy_with(scale=4.0, pins=())
+    for plant in (False, True):
+        model = abj.apply(NnxNet(nnx.Rngs(0), plant), policy)
+        if not plant:
+            model.big.kernel.set_value(model.big.kernel.get_value() * 100.0)
+        opt = nnx.Optimizer(model, abj.optimizer(optax.adam(1e-2), policy), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, x, y):
+            loss, grads, stats = abj.numerics(model, lambda m: jnp.mean((m(x) - y) ** 2), opt)(model)
+            opt.update(model, grads)
+            return grads, stats
+
+        log = tmp_path / f"nnx-{plant}.jsonl"
+        with abj.Monitor(log, model) as monitor:
+            for i in range(3):
+                before = jax.tree_util.tree_map(lambda v: v.get_value(), nnx.state(model, nnx.Param),
+                                                is_leaf=lambda v: isinstance(v, nnx.Variable))
+                grads, stats = step(model, opt, x * (300.0 if i == 1 and not plant else 1.0), y)
+                monitor.record(i, stats)
+                assert stats.layers == ("first", "big", "head") and stats.leaves[:1] == ("first",)
+                want = {}
+                for path in stats.layers:
+                    g = np.concatenate([np.asarray(v.get_value(), np.float64).ravel()
+                                        for _, v in nnx.to_flat_state(grads[path])])
+                    want[path] = layer_stats(g, float(stats.loss_scale), "float16")
+                assert_stats_equal(stats.layer_stats(), want)
+                if bool(stats.skipped):
+                    after = jax.tree_util.tree_map(lambda v: v.get_value(), nnx.state(model, nnx.Param),
+                                                   is_leaf=lambda v: isinstance(v, nnx.Variable))
+                    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
+                                                                    jax.tree_util.tree_leaves(after)))
+        steps = read_log(log).steps
+        if plant:
+            assert [s["first_nonfinite"] for s in steps] == [{"path": "amp", "where": "gradient"}] * 3
+        else:
+            assert [s["first_nonfinite"] for s in steps] == [None, {"path": "big", "where": "output"}, None]
+        assert read_log(log).header["layers"] == ["first"] + (["amp"] if plant else []) + ["big", "head"]
