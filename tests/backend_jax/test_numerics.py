@@ -445,3 +445,30 @@ def test_nnx_statistics_attribution_and_log(tmp_path):
         else:
             assert [s["first_nonfinite"] for s in steps] == [None, {"path": "big", "where": "output"}, None]
         assert read_log(log).header["layers"] == ["first"] + (["amp"] if plant else []) + ["big", "head"]
+
+
+def test_has_aux_carries_batch_stats_through():
+    """A BatchNorm model: loss_fn returns (loss, new batch_stats), as with jax.value_and_grad."""
+
+    class BN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False, momentum=0.5)(nn.Dense(4)(x)))
+
+    policy = policy_with(scale=8.0, pins=())
+    amp = abj.apply(BN(), policy)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 3)), jnp.float32)
+    variables = jax.jit(amp.init)(jax.random.key(0), x)
+    opt_state = abj.optimizer(optax.sgd(0.1), policy).init(variables["params"])
+
+    def loss_fn(p, stats):
+        out, state = amp.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+        return jnp.mean(out ** 2), state["batch_stats"]
+
+    (loss, new_stats), grads, stats = jax.jit(lambda p, b: abj.numerics(amp, loss_fn, opt_state, has_aux=True)(p, b))(
+        variables["params"], variables["batch_stats"])
+    assert float(stats.loss) == float(loss) and new_stats["BatchNorm_0"]["mean"].dtype == jnp.float32
+    assert not np.array_equal(new_stats["BatchNorm_0"]["mean"], variables["batch_stats"]["BatchNorm_0"]["mean"])
+    # call order, not name order: the outer nn.Dense(1) was constructed (named) first
+    assert stats.leaves == ("Dense_1", "BatchNorm_0", "Dense_0") and stats.first_nonfinite() is None
+    assert_stats_equal(stats.layer_stats(), reference_stats(grads, stats))
