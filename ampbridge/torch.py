@@ -184,15 +184,16 @@ def _class_name(module: nn.Module) -> str:
 
 
 def _entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``named_modules()`` without the root, unless the root is the only module (a leaf)."""
-    entries = list(model.named_modules())
-    return entries[1:] if len(entries) > 1 else entries
+    """``named_modules()``: the model itself first (path ``""``), then every submodule."""
+    return list(model.named_modules())
 
 
 def layers(model: nn.Module) -> list[Layer]:
     """The model as neutral layer descriptors (paths are ``named_modules()`` names).
 
-    A parameter shared by several modules (tied weights) counts once, at its first module.
+    The model itself is the first, path ``""``, with the parameters it owns itself (a ViT's
+    ``self.pos = nn.Parameter(...)``), as in every backend. A parameter shared by several
+    modules (tied weights) counts once, at its first module.
     """
     seen: set[int] = set()
     out = []
@@ -515,7 +516,6 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
     raw = build_plan(layers(model), policy, framework="torch", warn=warn)
     rules = dict(policy.rules)
     bypassed = _bypassed(model)
-    is_leaf_root = entries[0][0] == "" if entries else False
 
     # 1. storage: each parameter in the dtype its module's row asks for (the widest, if shared)
     requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -547,7 +547,6 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
     # 2. regions: a module whose compute dtype differs from its parent's region runs its own.
     # Without autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule
     # sits inside one, the region's leaves get their floating inputs cast to float32.
-    root_compute = raw[""].compute_dtype if is_leaf_root else policy.compute_dtype
     low_below: set[str] = set()
     for row in raw.rows:
         if row.output_dtype != "float32" or row.compute_dtype != "float32":
@@ -572,15 +571,15 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
             final.append(with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
                                         f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype))
             continue
+        is_root = path == ""  # its region, input and output casts are the root spec (below)
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
-        has_parent = parent_path in raw and parent_path != path
-        enclosing = raw[parent_path].compute_dtype if has_parent else policy.compute_dtype
+        enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
         compute = row.compute_dtype
         own_float = [p for p in module.parameters(recurse=False)
                      if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
         own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
         own_low = any(d in _LOW for d in own_stored)
-        region_change = compute != enclosing and not (path == "" and is_leaf_root)
+        region_change = compute != enclosing and not is_root
         region_root[path] = path if region_change else region_root.get(parent_path, "")
         mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
                          and next(module.children(), None) is None and behaviour != "weights")
@@ -589,8 +588,8 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 compute == "float32" or behaviour not in ("cast", "float32")):
             present_as = DTYPES[compute]
         cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
-        if path == "" and is_leaf_root:
-            cast_inputs = cast_inputs or compute != policy.compute_dtype
+        if is_root:  # the caller's region is the policy's: a rule on the root changes it
+            cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
         rule = rules.get(row.rule)
         explicit_output = rule is not None and rule.output_dtype is not None
         natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
@@ -600,8 +599,10 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                          and present_as is None and compute != "float32")
         wrap = region_change or cast_inputs or present_as is not None or follow_params or (
             explicit_output and row.output_dtype != natural_out)
-        if path == "" and is_leaf_root:
-            wrap = False  # folded into the root spec below
+        if is_root:
+            wrap = False
+            specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
+                              DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
         changes: dict[str, Any] = {}
         notes_here = [note] if note else []
         stored = {_NAMES[d] for d in own_stored}
@@ -630,26 +631,11 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 changes["output_dtype"] = natural_out
             if follows:
                 input_following.add(path)
-        if path == "" and is_leaf_root:
+        if is_root:  # the model's outputs: the policy's output_dtype, whatever a rule says
             changes["output_dtype"] = policy.output_dtype
-        final.append(with_note(row, "; ".join(notes_here), **changes) if notes_here or changes else row)
-
-    # 3. the root: the model-wide region, matmul precision, outputs in output_dtype
-    root_row = raw[""] if is_leaf_root else None
-    root_module = model
-    behaviour = _behaviour(root_module, device_type) if root_row else "region"
-    cast_root_inputs = None
-    present_as = None
-    if root_row is not None:
-        own_stored = {storage[id(p)][1] for p in root_module.parameters(recurse=False) if id(p) in storage}
-        own_low = any(d in _LOW for d in own_stored)
-        if own_low and any(d != DTYPES[root_compute] for d in own_stored) and (
-                root_compute == "float32" or behaviour not in ("cast", "float32")):
-            present_as = DTYPES[root_compute]
-        if root_compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom")):
-            cast_root_inputs = DTYPES[root_compute]
-    specs[""] = _Spec("", device_type, DTYPES[root_compute], cast_root_inputs, DTYPES[policy.output_dtype],
-                      present_as, policy.matmul_precision, root=True)
+            if policy.output_dtype != changes.get("compute_dtype", compute):
+                notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
+        final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
 
     plan_notes = list(notes)
     if policy.matmul_precision != "highest":
@@ -1311,7 +1297,14 @@ def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, de
             device_type or "cpu")
         resolved, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
         if isinstance(model, torch.jit.ScriptModule):
-            built = build_plan(layers(model), resolved, framework="torch")
+            def model_output(row: PlanRow) -> PlanRow:
+                out = resolved.output_dtype
+                if row.path or row.output_dtype == out:
+                    return row
+                note = f"model outputs cast to output_dtype {out}" if out != row.compute_dtype else None
+                return with_note(row, note, output_dtype=out)
+
+            built = build_plan(layers(model), resolved, framework="torch", adjust=model_output)
             return Plan(built.rows, built.policy, "torch", built.unmatched_rules,
                         tuple(notes) + ("a TorchScript module: rows as requested (autocast's per-op behaviour "
                                         "is not inspected)",))
@@ -1511,8 +1504,14 @@ def fsdp_policy(policy: Policy | str | Path, model: nn.Module | None = None, dev
                               buffer_dtype=torch.float32, cast_forward_inputs=not root)
 
     root = conversion.result["root"]
-    pinned = {path: fsdp2(g["fsdp2"]) for g in conversion.result["pinned"] for path in g["paths"] or ()}
-    pinned1 = {path: fsdp1(g["fsdp1"], False) for g in conversion.result["pinned"] for path in g["paths"] or ()}
+    groups = conversion.result["pinned"]
+    pinned = {path: fsdp2(g["fsdp2"]) for g in groups for path in g["paths"] or () if path}
+    pinned1 = {path: fsdp1(g["fsdp1"], False) for g in groups for path in g["paths"] or () if path}
+    # a rule on the model itself (``**``, ``type:MyModel``) decides the root's own wrapping, which
+    # shard() applies last; its outputs stay in the policy's output_dtype
+    on_root = next((g for g in groups if "" in (g["paths"] or ())), None)
+    if on_root is not None:
+        root = {"fsdp2": dict(on_root["fsdp2"], output_dtype=policy.output_dtype), "fsdp1": on_root["fsdp1"]}
     if model is None and policy.rules:
         notes.append(f"pass the model to get the per-module policies of {len(policy.rules)} pinning rule(s)")
     return FSDPPrecision(fsdp2(root["fsdp2"], output=False), fsdp2(root["fsdp2"]), fsdp1(root["fsdp1"], True),
