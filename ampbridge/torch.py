@@ -1455,21 +1455,19 @@ def apply(model: nn.Module, policy: Policy | str | Path, device_type: str | None
         True
     """
     _check_model(model)
-    given = _as_policy(policy)
-    effective, notes = _from_environment(given, warn=True)
-    return TorchAmp(model, effective, _device_type_of(model, device_type), notes=notes)
-
-
-def _from_environment(policy: Policy, *, warn: bool) -> tuple[Policy, tuple[str, ...]]:
-    """The bisect switch (``AMPBRIDGE_DISABLE=1``, ``AMPBRIDGE_POLICY=...``): the policy to apply,
-    and the Plan note saying the environment chose it (``apply`` also warns, once per process)."""
     from ._env import effective_policy
 
-    effective = effective_policy(policy, "torch", warn=warn)
-    if effective is policy:
-        return policy, ()
-    return effective, (f"the environment replaced the policy given ({policy.source or 'in code'}) with "
-                       f"{effective.source or 'another'} (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY)",)
+    given = _as_policy(policy)
+    effective = effective_policy(given, "torch")  # the bisect switch; warns once, at the caller
+    return TorchAmp(model, effective, _device_type_of(model, device_type), notes=_environment_notes(given, effective))
+
+
+def _environment_notes(given: Policy, effective: Policy) -> tuple[str, ...]:
+    """The Plan note when ``AMPBRIDGE_DISABLE=1`` or ``AMPBRIDGE_POLICY=...`` replaced the policy."""
+    if effective is given:
+        return ()
+    return (f"the environment replaced the policy given ({given.source or 'in code'}) with "
+            f"{effective.source or 'another'} (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY)",)
 
 
 class TorchAmp:
@@ -1724,7 +1722,11 @@ def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, de
         >>> p["1"].note
         "follows its input's dtype: cpu autocast leaves Softmax alone (bfloat16 when fed by a bfloat16 layer)"
     """
-    policy, env_notes = _from_environment(_as_policy(policy), warn=False)
+    from ._env import effective_policy
+
+    given = _as_policy(policy)
+    policy = effective_policy(given, "torch", warn=False)  # what apply would run
+    env_notes = _environment_notes(given, policy)
     if not example_inputs and not example_kwargs:
         device_type = _device_type_of(model, device_type) if not isinstance(model, torch.jit.ScriptModule) else (
             device_type or "cpu")
