@@ -1043,15 +1043,24 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.layout is not torch.strided else grad
 
 
-class _Flags:
-    """What attribution saw in one step: flags on the device, and on the host whose they are."""
+def _extremes(t: torch.Tensor, values: list[torch.Tensor], who: list[int], index: int) -> None:
+    """Append min and max of ``t`` (one kernel; non-finite iff some element is: nan propagates)."""
+    low, high = torch.aminmax(t)
+    values += (low, high)
+    who += (index, index)
 
-    __slots__ = ("fwd_ok", "fwd_who", "bwd_ok", "bwd_who")
+
+class _Flags:
+    """What attribution saw in one step: extremes on the device, and on the host whose they are."""
+
+    __slots__ = ("fwd_vals", "fwd_who", "bwd_vals", "bwd_who")
 
     def __init__(self) -> None:
-        self.fwd_ok: list[torch.Tensor] = []  # forward outputs all finite, per candidate call
+        # forward outputs per candidate call, then the gradients w.r.t. each call's inputs in
+        # backward order (who[k]: the candidate of values[k])
+        self.fwd_vals: list[torch.Tensor] = []
         self.fwd_who: list[int] = []
-        self.bwd_ok: list[torch.Tensor] = []  # gradient w.r.t. a call's input all finite, backward order
+        self.bwd_vals: list[torch.Tensor] = []
         self.bwd_who: list[int] = []
 
 
@@ -1060,7 +1069,8 @@ class _Pending(NamedTuple):
 
     step: int
     skip: bool
-    values: torch.Tensor  # found, loss, scale, then the attribution flags
+    found_by_norms: bool  # values[0] is the sum of gradient maxima (no scaler flag): found if non-finite
+    values: torch.Tensor  # found, loss, scale, then the attribution maxima (forward, backward, parameters)
     fwd_who: list[int]
     bwd_who: list[int]
     param_who: list[int]
@@ -1215,25 +1225,22 @@ class Monitor:
         return tuple(new) if views else None
 
     def _check_input_grad(self, index: int, grad: torch.Tensor) -> None:
-        flags = self._flags
-        flags.bwd_ok.append(torch.isfinite(grad).all())
-        flags.bwd_who.append(index)
+        if grad.numel():
+            flags = self._flags
+            _extremes(grad, flags.bwd_vals, flags.bwd_who, index)
 
     def _check_output(self, index: int, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        if isinstance(out, torch.Tensor):
-            if not out.is_floating_point():
-                return
-            ok = torch.isfinite(out).all()
-        else:
-            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            if not tensors:
-                return
-            ok = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
         flags = self._flags
-        flags.fwd_ok.append(ok)
-        flags.fwd_who.append(index)
+        with torch.no_grad():  # a flag, not part of the graph (it would keep the output alive)
+            if isinstance(out, torch.Tensor):
+                if out.is_floating_point() and out.numel():
+                    _extremes(out, flags.fwd_vals, flags.fwd_who, index)
+                return
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    _extremes(t, flags.fwd_vals, flags.fwd_who, index)
 
     # --- fed by the scaler
 
@@ -1264,7 +1271,7 @@ class Monitor:
             flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
             a = flat.to(acc, copy=True).abs_()
             zero = (a == 0).sum()
-            finite = torch.isfinite(a).sum()
+            finite = (a < math.inf).sum()  # a = |g|: false for inf and nan
             a.nan_to_num_(0.0, 0.0, 0.0)
             over = (a > fmt.max).sum()
             if scale is not None:
@@ -1289,36 +1296,46 @@ class Monitor:
             return  # the common step: nothing read, nothing written
         acc = self._acc
         device = scale.device if scale is not None else torch.device(self._amp.device_type)
-        parts: list[torch.Tensor] = []
+        # device values, read as one vector; the host tells non-finite maxima apart itself
+        norms = None
         param_who: list[int] = []
-        grad_bad = None
         if (known is not False and self.attribution) or found is None:
-            grads = [(i, _dense(p.grad)) for i, p in self._grad_params if p.grad is not None]
-            if grads:
-                norms = torch._foreach_norm([g for _, g in grads], float("inf"))
-                grad_bad = ~torch.isfinite(torch.stack([n.to(device) for n in norms]))
+            grads = [(i, _dense(p.grad)) for i, p in self._grad_params if p.grad is not None and p.grad.numel()]
+            if grads and device.type == "cuda":  # one multi-tensor kernel
+                norms = torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).to(acc)
                 param_who = [i for i, _ in grads if i >= 0]
+            elif grads:  # elsewhere torch loops anyway, and aminmax is the cheap reduction
+                values: list[torch.Tensor] = []
+                who: list[int] = []
+                for i, g in grads:
+                    _extremes(g, values, who, i)
+                norms = torch.stack(values).to(acc)
+                param_who = [i for i in who if i >= 0]
+        # found: the scaler's flag (> 0), or without one the sum of all gradient maxima (non-finite)
         if found is None:
-            found = grad_bad.any() if grad_bad is not None else torch.zeros((), device=device)
-        head = torch.stack([found.to(device, acc).reshape(()),
-                            loss.to(device, acc).reshape(()) if loss is not None else
-                            torch.full((), float("nan"), dtype=acc, device=device),
-                            scale.to(acc).reshape(()) if scale is not None else torch.ones((), dtype=acc, device=device)])
-        parts.append(head)
+            found = norms.sum() if norms is not None else torch.zeros((), dtype=acc, device=device)
+            by_norms = True
+        else:
+            by_norms = False
+        parts = [torch.stack([found.to(device, acc).reshape(()),
+                              loss.to(device, acc).reshape(()) if loss is not None else
+                              torch.full((), math.nan, dtype=acc, device=device),
+                              scale.to(acc).reshape(()) if scale is not None else
+                              torch.ones((), dtype=acc, device=device)])]
         fwd_who: list[int] = []
         bwd_who: list[int] = []
         if self.attribution and known is not False:
-            if flags.fwd_ok:
-                parts.append(~torch.stack(flags.fwd_ok))
+            if flags.fwd_vals:
+                parts.append(torch.stack(flags.fwd_vals).to(acc))
                 fwd_who = flags.fwd_who
-            if flags.bwd_ok:
-                parts.append(~torch.stack(flags.bwd_ok))
+            if flags.bwd_vals:
+                parts.append(torch.stack(flags.bwd_vals).to(acc))
                 bwd_who = flags.bwd_who
             if param_who:
-                assert grad_bad is not None
-                parts.append(grad_bad[:len(param_who)])
-        values = torch.cat([t.to(acc) for t in parts])
-        entry = _Pending(step, skip, values, fwd_who, bwd_who, param_who)
+                assert norms is not None
+                parts.append(norms[:len(param_who)])  # the candidates' own parameters come first
+        values = torch.cat(parts)
+        entry = _Pending(step, skip, by_norms, values, fwd_who, bwd_who, param_who)
         if known is None and stats is None and len(self._pending) < _PENDING_LIMIT:
             if self._pending:  # a static graph calls the same modules each step: keep one list
                 last = self._pending[-1]
@@ -1343,7 +1360,7 @@ class Monitor:
             if e is now and known is not None:
                 found = known
             else:
-                found = values[0] > 0
+                found = not math.isfinite(values[0]) if e.found_by_norms else values[0] > 0
             layers = self._decode_stats(host[offset:], stats[1]) if e is now and stats is not None else None
             if not found and layers is None:
                 continue  # a finite step that only waited to be read
@@ -1368,7 +1385,8 @@ class Monitor:
             }
         return out
 
-    def _origin(self, bad: list[float], e: _Pending, finite_loss: bool) -> dict[str, str]:
+    def _origin(self, maxima: list[float], e: _Pending, finite_loss: bool) -> dict[str, str]:
+        bad = [not math.isfinite(x) for x in maxima]
         nf, nb = len(e.fwd_who), len(e.bwd_who)
         for k in range(nf):
             if bad[k]:
