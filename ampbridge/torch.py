@@ -11,7 +11,10 @@ What runs where:
   ``Parameter`` objects, so optimizers keep working); buffers (BatchNorm running statistics) stay
   float32; the model's floating outputs are cast to ``output_dtype``;
 - **loss scaling**: :class:`GradScaler`, a ``torch.amp.GradScaler`` subclass that follows
-  ampbridge's reference algorithm (``ampbridge._loss_scale``) exactly, with tensor ops only.
+  ampbridge's reference algorithm (``ampbridge._loss_scale``) exactly, with tensor ops only;
+- **diagnostics**: ``amp.monitor(path, every=N)`` (:class:`Monitor`) writes the numerics log
+  ``ampbridge report`` reads (per-layer gradient statistics, which layer overflowed first);
+  ``AMPBRIDGE_DISABLE=1`` / ``AMPBRIDGE_POLICY=...`` replace the policy ``apply`` is given.
 
 A policy without pins is bit-identical to plain ``torch.autocast`` + ``torch.amp.GradScaler``:
 ampbridge adds casts only where a rule or a storage dtype needs them.
