@@ -398,3 +398,15 @@ def test_report_names_the_planted_layer_and_counts_skips(tmp_path):
         assert set(record) >= {"step", "loss", "loss_scale", "found_inf", "skipped", "first_nonfinite", "layers"}
         for stats in record["layers"].values():
             assert tuple(stats) == STAT_KEYS
+
+
+def test_the_step_that_stops_the_run_is_logged(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2))
+    amp = abt.apply(model, Policy(compute_dtype="float16", loss_scale={
+        "mode": "dynamic", "initial_scale": 1.0, "min_scale": 1.0, "on_min_scale": "error"}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp.monitor(tmp_path / "run.jsonl", every=10):
+        with pytest.raises(ampbridge.LossScaleError, match="min_scale=1.0"):
+            amp.step(model(torch.ones(1, 2)).sum() * float("inf"), opt)
+    (step,) = read_log(tmp_path / "run.jsonl").steps
+    assert step["found_inf"] and step["loss_scale"] == 1.0 and step["first_nonfinite"]["where"] == "loss"
