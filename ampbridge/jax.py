@@ -1555,9 +1555,9 @@ class Numerics:
 
     Attribution, on a non-finite step: ``output`` names the first leaf in forward order whose
     output was non-finite; otherwise a non-finite loss is ``loss``; otherwise ``gradient`` names
-    the first leaf in backward order (the last in forward order) whose input gradient or own
-    parameter gradient went non-finite, then a non-leaf layer's own parameters; ``loss`` when
-    nothing else explains it.
+    the first leaf in backward order (the last in forward order) whose input gradient went
+    non-finite, else whose own parameter gradient did, then a non-leaf layer's own parameters;
+    ``loss`` when nothing else explains it (the order torch's monitor uses too).
 
     On the host, :meth:`layer_stats` and :meth:`first_nonfinite` give the log's values.
     """
@@ -1698,9 +1698,9 @@ def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index:
 
     Leaves are in forward order. ``output``: the first leaf whose forward output was non-finite.
     ``gradient``: the first leaf in backward order, i.e. the last in forward order, whose input
-    gradient (or own parameter gradient) went non-finite; watching output gradients instead, the
-    leaf after the last one whose output gradient went non-finite (its input gradient fed that one).
-    Then a non-leaf layer's own parameters; ``loss`` when nothing else explains it.
+    gradient went non-finite (watching output gradients instead: the leaf after the last one whose
+    output gradient did, as its input gradient fed that one); else whose own parameter gradient
+    did; then a non-leaf layer's own parameters; ``loss`` when nothing else explains it.
     """
     i32 = jnp.int32
     k = len(probes)
@@ -1715,11 +1715,12 @@ def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index:
     first_output = jnp.min(jnp.where(forward, order, k), initial=k)
     first_output = jnp.where(first_output < k, first_output, -1)
     if inputs:
-        by_gradient = last(backward | params_bad)
+        by_gradient = last(backward)
     else:
         fed = last(backward)
-        after = jnp.where((fed >= 0) & (fed + 1 < k), fed + 1, -1)
-        by_gradient = jnp.maximum(after, last(params_bad & ~backward))
+        by_gradient = jnp.where((fed >= 0) & (fed + 1 < k), fed + 1, -1)
+    # then the leaves' own parameter gradients (torch's monitor decides in the same order)
+    by_gradient = jnp.where(by_gradient >= 0, by_gradient, last(params_bad))
     by_params = i32(-1)
     for idx, bad in other_params_bad:  # forward order: the last flagged is the first in backward order
         by_params = jnp.where(bad, i32(idx), by_params)
