@@ -12,6 +12,7 @@ compute, float32 master weights, dynamic loss scaling and Adam. Variants:
   only) or ``every=1`` (on steps 0, 100, ...), by ``monitor.due(step)``;
 - ``every=100 (2 programs), 'outputs'``: the same with ``attribution="outputs"`` (output
   gradients watched; the parameters stay bit-identical to the run without a monitor);
+- ``every=100 (2 programs), no attribution``: statistics only (``attribution=False``);
 - ``flags only``: ``every=None`` every step (what attribution costs on its own), no monitor.
 
 Reported: lowered StableHLO ops (``jax.jit(step).lower(...).as_text()``, ``func`` ops excluded),
@@ -136,6 +137,9 @@ def main() -> None:
         return ("numerics every=1, attribution='outputs'" if monitor.due(i)
                 else "numerics every=None, attribution='outputs'")
 
+    def two_programs_bare(monitor, i):
+        return "numerics every=1, no attribution" if monitor.due(i) else "numerics every=None, no attribution"
+
     variants = {
         "no monitor": variant("plain", "plain"),
         "every=1": variant("every=1", "numerics every=1", every=1),
@@ -143,6 +147,8 @@ def main() -> None:
         "every=100 (2 programs)": variant("every=100 (2 programs)", None, every=100, choose=two_programs),
         "every=100 (2 programs), 'outputs'": variant("every=100 (2 programs) outputs", None, every=100,
                                                      choose=two_programs_outputs),
+        "every=100 (2 programs), no attribution": variant("every=100 (2 programs) bare", None, every=100,
+                                                          choose=two_programs_bare),
         "flags only, no monitor": variant("flags", "numerics every=None (flags only)"),
     }
     for run, _ in variants.values():

@@ -333,7 +333,7 @@ def test_sampling_every_100_logs_statistics_on_0_100_200_and_every_skip(tmp_path
     amp, params, opt_state, step, x, y, _ = setup()
     log = tmp_path / "run.jsonl"
     poisoned = {50, 151}
-    with abj.Monitor(log, amp, x, every=100) as monitor:
+    with abj.Monitor(log, amp, x, every=100, max_lag=0 if two_programs else 8) as monitor:
         for i in range(201):
             every = (1 if monitor.due(i) else None) if two_programs else 100
             params, opt_state, _, stats = step(params, opt_state, x, y * (jnp.nan if i in poisoned else 1.0),
@@ -376,6 +376,8 @@ def test_clear_errors(tmp_path):
         abj.numerics(nn.Dense(2), lambda p: 0.0, opt_state)
     with pytest.raises(ValueError, match="every=-1"):
         abj.Monitor(tmp_path / "a.jsonl", amp, jnp.ones((1, 4)), every=-1)
+    with pytest.raises(ValueError, match="max_lag=-1; accepted: an int >= 0"):
+        abj.Monitor(tmp_path / "a.jsonl", amp, jnp.ones((1, 4)), max_lag=-1)
     with abj.Monitor(tmp_path / "b.jsonl", amp, jnp.ones((1, 4))) as monitor:
         with pytest.raises(TypeError, match="needs the Numerics"):
             monitor.record(0, {"loss": 1.0})
