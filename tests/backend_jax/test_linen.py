@@ -169,6 +169,20 @@ def test_plan_matches_the_shared_conformance_layers(demo):
     assert flax_plan["head"].param_count == 32 * 32 + 32
 
 
+def test_the_root_row_is_the_model_and_delivers_output_dtype(demo):
+    """As in every backend: row "" is the model, its output_dtype the policy's, noted when it casts."""
+    amp = abj.apply(demo[0], MIXED)
+    plan = amp.plan(TOKENS)
+    root = plan[""]
+    assert (root.class_name, root.compute_dtype, root.output_dtype) == ("DemoModel", "float16", "float32")
+    assert root.note == "model outputs cast to output_dtype float32"
+    assert not any("output" in n for n in plan.notes)
+    seen = [o for o in amp.observe(amp.cast_params(demo[1]), TOKENS) if o.path == ""]
+    assert [o.outputs for o in seen] == [("float32",)]  # what the row says, observed
+    same = abj.plan(demo[0], Policy(compute_dtype="bfloat16", output_dtype="bfloat16"), TOKENS)[""]
+    assert same.output_dtype == "bfloat16" and same.note is None
+
+
 KIND_CASES = {
     "BatchNorm": (lambda: nn.BatchNorm(use_running_average=True), "norm"),
     "LayerNorm": (lambda: nn.LayerNorm(), "norm"), "GroupNorm": (lambda: nn.GroupNorm(num_groups=2), "norm"),
@@ -244,14 +258,6 @@ def test_clear_errors():
         abj._require("flax_that_is_not_installed", "apply")
     with pytest.raises(ValueError, match="accepted: compute, param, output"):
         abj.cast({}, Policy(), to="params")
-
-
-def test_environment_switch_disables_mixed_precision(monkeypatch):
-    monkeypatch.setenv("AMPBRIDGE_DISABLE", "1")
-    with pytest.warns(ampbridge.AmpBridgeWarning, match="AMPBRIDGE_DISABLE"):
-        amp = abj.apply(nn.Dense(2), ampbridge.preset("mixed_float16"))
-    assert amp.policy.compute_dtype == "float32"
-    assert any("environment" in n for n in amp.notes)
 
 
 def test_the_registry_dispatches_flax_modules_here(demo, monkeypatch):

@@ -70,6 +70,8 @@ def test_plan_paths_kinds_and_counts(net):
     assert plan["layers.0.up"].kind == "linear" and plan["bn"].kind == "norm" and plan["embed"].kind == "embedding"
     assert plan["layers.0.gate"].param_count == 8 and plan["layers.0.up"].param_count == 8 * 16 + 16
     assert plan["layers.1.gate"].compute_dtype == "float32" and plan["layers.0.gate"].compute_dtype == "float16"
+    assert (plan[""].class_name, plan[""].output_dtype, plan[""].note) == (
+        "Net", "float32", "model outputs cast to output_dtype float32")
 
 
 def test_apply_returns_a_copy_whose_params_follow_the_plan(net):
