@@ -48,6 +48,7 @@ __all__ = [
     "MixedDTypePolicy",
     "PhaseCallback",
     "apply",
+    "device",
     "dtype_policy",
     "kind_of",
     "layers",
@@ -55,6 +56,7 @@ __all__ = [
     "optimizer",
     "owns",
     "plan",
+    "resolve_policy",
     "scope",
     "set_matmul_precision",
 ]
@@ -75,6 +77,88 @@ def _as_policy(policy: Policy | str) -> Policy:
         return preset(policy) if policy in PRESETS else load(policy)
     raise TypeError(f"expected an ampbridge.Policy, a preset name or a policy file path; "
                     f"received {policy!r} (of type {type(policy).__name__})")
+
+
+# --- the policy that actually runs: environment switch, "auto" ----------------------------------
+
+def device() -> Any:
+    """The device the active Keras backend computes on, as the core's ``ampbridge._hardware.Device``
+    (what ``compute_dtype = "auto"`` is decided on).
+
+    TensorFlow: its first GPU (name and compute capability from ``tf.config``), else a TPU, else
+    the CPU; JAX: ``jax.devices()[0]``; torch: the CUDA device Keras uses, else the CPU. CPU
+    flags come from ``/proc/cpuinfo`` (``_hardware.cpu_flags()``).
+
+    Example:
+        >>> device().platform in ("cpu", "cuda", "tpu", "mps", "rocm")
+        True
+    """
+    from . import _hardware
+    from ._hardware import Device
+
+    backend = _backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            details = tf.config.experimental.get_device_details(gpus[0]) or {}
+            capability = details.get("compute_capability")
+            return Device("cuda", str(details.get("device_name", gpus[0].name)),
+                          tuple(int(c) for c in capability) if capability else None)
+        if tf.config.list_physical_devices("TPU"):
+            return Device("tpu")
+    elif backend == "jax":
+        import jax
+
+        dev = jax.devices()[0]
+        platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
+        if platform != "cpu":
+            capability = None
+            cc = getattr(dev, "compute_capability", None)
+            if cc:
+                try:
+                    capability = tuple(int(c) for c in str(cc).split(".")[:2])
+                except ValueError:
+                    capability = None
+            return Device(platform, str(getattr(dev, "device_kind", "")), capability)  # type: ignore[arg-type]
+    elif backend == "torch":
+        import torch
+
+        where = str(keras.src.backend.torch.core.get_device())
+        if where.startswith("cuda") and torch.cuda.is_available():
+            index = torch.cuda.current_device()
+            return Device("cuda", torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index)))
+        if where.startswith("mps"):
+            return Device("mps")
+    return Device("cpu", cpu_flags=_hardware.cpu_flags())
+
+
+def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, tuple[str, ...]]:
+    """The policy :func:`apply`, :func:`scope`, :func:`optimizer` and :func:`plan` use, and why it
+    differs from the one given (the Plan keeps these notes).
+
+    ``AMPBRIDGE_DISABLE=1`` swaps in the ``float32`` preset and ``AMPBRIDGE_POLICY=NAME_OR_FILE``
+    another policy (``ampbridge._env``; each says so once per process); ``compute_dtype = "auto"``
+    becomes the :func:`device`'s choice (``ampbridge._hardware.resolve_auto``).
+
+    Example:
+        >>> import ampbridge
+        >>> resolve_policy(ampbridge.preset("mixed_bfloat16"))[0].compute_dtype
+        'bfloat16'
+    """
+    from ._env import effective_policy
+    from ._hardware import resolve_auto
+
+    given = _as_policy(policy)
+    notes: list[str] = []
+    policy = effective_policy(given, f"keras ({_backend()})", warn=warn)
+    if policy is not given:
+        notes.append("the environment (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY) replaced the policy given")
+    policy, why = resolve_auto(policy, device(), warn=warn)
+    if why:
+        notes.append(why)
+    return policy, tuple(notes)
 
 
 # --- dtype policies ---------------------------------------------------------------------------
@@ -275,10 +359,10 @@ def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
         >>> plan(m, ampbridge.preset("mixed_bfloat16"))["head"].compute_dtype
         'bfloat16'
     """
-    policy = _as_policy(policy)
+    policy, notes = resolve_policy(policy, warn=warn)
     described, by_path = _describe(model)
     return build_plan(described, policy, framework=f"keras ({_backend()})",
-                      adjust=_adjuster(_phase0(policy), by_path), warn=warn)
+                      adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
 
 
 def _phase0(policy: Policy) -> Policy:
@@ -381,7 +465,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         >>> m.get_layer("head").dtype_policy.name, keras.backend.standardize_dtype(m(keras.ops.ones((1, 2))).dtype)
         ('mixed_float16', 'float32')
     """
-    policy = _as_policy(policy)
+    policy, _ = resolve_policy(policy, warn=warn)
     active = _phase0(policy)
     set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
     described, by_path = _describe(model)
@@ -513,7 +597,7 @@ def scope(policy: Policy | str) -> Iterator[Policy]:
         >>> dense.dtype_policy.name, norm.dtype_policy.name, keras.config.dtype_policy().name
         ('mixed_float16', 'float32', 'float32')
     """
-    policy = _phase0(_as_policy(policy))
+    policy = _phase0(resolve_policy(policy)[0])
     previous = keras.config.dtype_policy()
     layer_class = keras.layers.Layer
     original_init = layer_class.__dict__["__init__"]
@@ -871,7 +955,7 @@ def optimizer(inner: Any, policy: Policy | str) -> LossScaleOptimizer:
         >>> opt.loss_scale_config.mode, opt.initial_scale
         ('dynamic', 65536.0)
     """
-    policy = _as_policy(policy)
+    policy, _ = resolve_policy(policy)
     active = _phase0(policy)
     inner = keras.optimizers.get(inner)
     if isinstance(inner, keras.optimizers.LossScaleOptimizer):
@@ -963,7 +1047,7 @@ class PhaseCallback(LossScaleCallback):
 
     def __init__(self, policy: Policy | str):
         super().__init__()
-        self.policy = _as_policy(policy)
+        self.policy = resolve_policy(policy)[0]  # the environment's switch and "auto" included
         self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
         self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
         self._step = 0
