@@ -1298,8 +1298,8 @@ def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str) -> Any:
     """One layer's row of statistics of its scaled gradients (``_runlog.layer_stats``'s definitions).
 
     Max and RMS are of the finite scaled values (the host divides by the scale, in float64, as
-    the reference does); the RMS is taken relative to the max so it neither overflows nor
-    underflows in float32. "Below the smallest subnormal once unscaled" is tested as
+    the reference does); the RMS is taken relative to (about) the max, so it neither overflows
+    nor underflows in float32. "Below the smallest subnormal once unscaled" is tested as
     ``|g| * 2**k < (subnormal * 2**k) * scale``, exact in float32 (powers of two) where the
     bfloat16 and float32 subnormals themselves would be flushed to zero.
     """
@@ -1317,7 +1317,10 @@ def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str) -> Any:
     absolute = [ops.abs(g) for g in flat]
     finite = [ops.isfinite(g) for g in flat]
     largest = ops.max(ops.stack([ops.max(ops.where(f, a, 0.0)) for a, f in zip(absolute, finite)]))
-    unit = ops.where(ops.greater(largest, 0.0), largest, 1.0)
+    # XLA turns a division by a scalar into a multiplication by its reciprocal, which must stay a
+    # normal float32 (CPUs flush subnormals): the unit is the max, kept within 2**+-100 (the squares
+    # of a / unit then stay below 2**56)
+    unit = ops.clip(largest, np.float32(2.0 ** -100), np.float32(2.0 ** 100))
 
     def total(parts: list[Any]) -> Any:
         return ops.sum(ops.stack(parts))
