@@ -1064,7 +1064,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             sampled = ops.equal(ops.mod(steps, spec.every), 0)
 
         def compute() -> Any:
-            rows = [_grad_stats([grads[p] for p in positions if grads[p] is not None], scale, compute_dtype)
+            rows = [_grad_stats([grads[p] for p in positions if grads[p] is not None], scale, compute_dtype,
+                                sizes=[int(np.prod(variables[p].shape)) for p in positions if grads[p] is not None])
                     for compute_dtype, positions in stats_layout]
             return ops.stack(rows) if rows else ops.zeros_like(old_stats)
 
@@ -1271,6 +1272,7 @@ class PhaseCallback(LossScaleCallback):
 _HEAD_SIZE = 7  # step (hi, lo), scale used, found_inf, skipped, last leaf with non-finite own grads, sampled
 _ROW_SIZE = 12  # max|g|, rms(g) (scaled, finite values), then (hi, lo) counts: zero, nonfinite, underflow,
 #                 overflow, elements
+_SLOT_NAMES = ("forward", "backward", "loss", "loss_seen")  # the model-side values, in record order
 _SPLIT = 4096  # counts travel as float32 pairs (hi * 4096 + lo): exact up to 2**36
 
 
@@ -1294,7 +1296,7 @@ def _dense(g: Any) -> Any:
     return g
 
 
-def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str) -> Any:
+def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[int] | None = None) -> Any:
     """One layer's row of statistics of its scaled gradients (``_runlog.layer_stats``'s definitions).
 
     Max and RMS are of the finite scaled values (the host divides by the scale, in float64, as
@@ -1331,7 +1333,8 @@ def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str) -> Any:
     n_finite = count(finite)
     squares = total([ops.sum(ops.where(f, ops.square(ops.divide(a, unit)), 0.0)) for a, f in zip(absolute, finite)])
     rms = ops.multiply(unit, ops.sqrt(ops.divide(squares, ops.cast(ops.maximum(n_finite, 1), "float32"))))
-    size = sum(int(np.prod(g.shape)) for g in flat)
+    # the variables' sizes: a densified IndexedSlices has no static shape
+    size = sum(sizes) if sizes is not None else sum(int(np.prod(g.shape)) for g in flat)
     zero = count([ops.equal(g, 0.0) for g in flat])
     under = count([ops.logical_and(ops.logical_and(f, ops.not_equal(g, 0.0)),
                                    ops.less(ops.multiply(a, lift), threshold))
@@ -1510,6 +1513,8 @@ class Monitor:
         self._slots: dict[str, _Slot] = {}
         self._writer: Any = None
         self._attached = False
+        self._positions: tuple[list[int], list[int]] | None = None
+        self._next_step: int | None = None
         self.attach()
 
     # --- attaching to the model and optimizer ---
@@ -1528,8 +1533,8 @@ class Monitor:
         if self._attached:
             return
         if not self._slots:
-            self._slots = {name: _Slot(f"ampbridge_monitor_{name}", value) for name, value in (
-                ("forward", -1.0), ("backward", -1.0), ("loss", np.nan), ("loss_seen", 0.0))}
+            self._slots = {name: _Slot(f"ampbridge_monitor_{name}", value)
+                           for name, value in zip(_SLOT_NAMES, (-1.0, -1.0, np.nan, 0.0))}
         self.model._seed_generators.extend(self._slots.values())
         if hasattr(self.model, "compute_loss") and "compute_loss" not in self.model.__dict__:
             inner = self.model.compute_loss
@@ -1584,6 +1589,7 @@ class Monitor:
                 if wrapper is not None:
                     wrapper.probe = None
                     _drop_idle_wrapper(layer)
+        self._positions, self._next_step = None, None
         previous = self.optimizer._monitor
         steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
         self.optimizer._attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
@@ -1623,6 +1629,23 @@ class Monitor:
 
     # --- reading a step ---
 
+    def _record_tensors(self, non_trainable_variables: Any, optimizer_variables: Any) -> tuple[Any, Any, list]:
+        if self._positions is None:  # found once per attach: walking the model every step costs
+            opt_index = {id(v): i for i, v in enumerate(self.optimizer.variables)}
+            model_index = {id(v): i for i, v in enumerate(self.model.non_trainable_variables)}
+            self._positions = ([opt_index[id(v)] for v in self.optimizer._monitor_variables],
+                               [model_index[id(self._slots[n].state)] for n in _SLOT_NAMES])
+        opt_at, slot_at = self._positions
+        if optimizer_variables is not None:
+            head, stats = (optimizer_variables[i] for i in opt_at)
+        else:
+            head, stats = (v.value for v in self.optimizer._monitor_variables)
+        if non_trainable_variables is not None:
+            slots = [non_trainable_variables[i] for i in slot_at]
+        else:
+            slots = [self._slots[n].state.value for n in _SLOT_NAMES]
+        return head, stats, slots
+
     def record(self, loss: Any = None, *, non_trainable_variables: Any = None,
                optimizer_variables: Any = None) -> dict[str, Any] | None:
         """Read the last optimizer step's record (one transfer) and log it if it is sampled or
@@ -1635,29 +1658,26 @@ class Monitor:
         """
         if not self._attached:
             raise ValueError("Monitor.record: the monitor is detached; call attach() first")
-        opt_vars = self.optimizer._monitor_variables
-        if not opt_vars:
+        if not self.optimizer._monitor_variables:
             raise ValueError("Monitor.record: no optimizer step has run yet (the optimizer is not built)")
-        if optimizer_variables is not None:
-            at = [next(i for i, v in enumerate(self.optimizer.variables) if v is m) for m in opt_vars]
-            head, stats = (optimizer_variables[i] for i in at)
-        else:
-            head, stats = (v.value for v in opt_vars)
-        names = ("forward", "backward", "loss", "loss_seen")
-        if non_trainable_variables is not None:
-            position = {id(v): i for i, v in enumerate(self.model.non_trainable_variables)}
-            slots = [non_trainable_variables[position[id(self._slots[n].state)]] for n in names]
-        else:
-            slots = [self._slots[n].state.value for n in names]
-        parts = [head, stats] + slots + ([loss] if loss is not None else [])
+        head, stats, slots = self._record_tensors(non_trainable_variables, optimizer_variables)
+        # the step is the one after the last recorded (checked below): the statistics travel only
+        # on sampled steps, with the rest, as one array
+        expected = self._next_step
+        want_stats = expected is None or expected % self.every == 0
+        parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
         values = _host(ops.concatenate([ops.reshape(ops.cast(p, "float32"), (-1,)) for p in parts])).astype(
             np.float64)
-        end = _HEAD_SIZE + int(np.prod(self.optimizer.monitor_stats.shape))
-        head_v, stats_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:end], values[end:]
+        head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
         forward, backward, slot_loss, loss_seen = rest[:4]
         step = int(head_v[0]) * _SPLIT + int(head_v[1])
         scale, found_inf, skipped = float(head_v[2]), bool(head_v[3]), bool(head_v[4])
         param_first, sampled = int(head_v[5]), bool(head_v[6])
+        self._next_step = step + 1
+        if sampled and not want_stats:  # record() was not called after every step: read them now
+            stats_v = _host(ops.reshape(ops.cast(stats, "float32"), (-1,))).astype(np.float64)
+        else:
+            stats_v = rest[5 if loss is not None else 4:]
         if loss is not None:
             step_loss: float | None = float(rest[4])
         else:
@@ -1703,8 +1723,10 @@ class MonitorCallback(keras.callbacks.Callback):
     """Writes the numerics log (see :class:`Monitor`) during ``fit``.
 
     ``every``: per-layer statistics on every N-th optimizer step (step 0 included); steps whose
-    gradients were non-finite are always logged. One callback writes one log: fitting again
-    with the same callback appends to it (the step numbers continue); :meth:`close` closes it.
+    gradients were non-finite are always logged. One callback writes one log: the model stays
+    monitored after ``fit`` returns, so fitting again with the same callback appends to the log
+    (step numbers continue) without re-tracing the train step; :meth:`close` detaches the
+    monitor (the next ``fit`` re-traces without it) and closes the log.
 
     Example:
         >>> import os, tempfile, keras, numpy as np, ampbridge
@@ -1745,11 +1767,7 @@ class MonitorCallback(keras.callbacks.Callback):
         else:
             self.monitor.record()
 
-    def on_train_end(self, logs: Any = None) -> None:
-        if self.monitor is not None:
-            self.monitor.detach()
-
     def close(self) -> None:
-        """Close the log (and detach, if a fit is still running)."""
+        """Detach the monitor from the model and close the log."""
         if self.monitor is not None:
             self.monitor.close()

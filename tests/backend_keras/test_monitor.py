@@ -404,3 +404,41 @@ def test_log_lines_are_the_shared_format(kx, tmp_path):
     assert header["policy"] == json.loads(json.dumps(policy_to_dict(GENTLE.replace(keep_float32=("kind:norm",)))))
     assert header["layers"] == ["a", "norm", "head"]
     assert sorted(log.steps[0]["layers"]) == ["a", "head", "norm"]
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a functional JAX loop: stateless_call / stateless_apply in jax.jit")
+def test_functional_jax_loop_records_returned_state(kx, tmp_path):
+    """The documented JAX custom loop: the values a jitted step returns go to record() as they are."""
+    import jax
+
+    model = _chain(kx, [L.Dense(8, name="boom"), L.Dense(8, name="after")])
+    _set(model.get_layer("a"), 1.0)
+    _set(model.get_layer("boom"), 1e4)
+    ak.apply(model, GENTLE)
+    opt = ak.optimizer(keras.optimizers.SGD(1e-6), GENTLE)
+    opt.build(model.trainable_variables)
+    monitor = ak.Monitor(tmp_path / "run.jsonl", model, opt)
+    loss_fn = keras.losses.MeanSquaredError()
+    x, y = np.ones((4, 4), "float32"), np.zeros((4, 1), "float32")
+
+    @jax.jit
+    def step(trainable, non_trainable, opt_values):
+        def scaled_loss(trainable, non_trainable):
+            y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+            loss = loss_fn(y, y_pred)
+            with keras.StatelessScope(state_mapping=list(zip(opt.variables, opt_values))):
+                return opt.scale_loss(loss), (loss, non_trainable)
+
+        (_, (loss, non_trainable)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(trainable, non_trainable)
+        trainable, opt_values = opt.stateless_apply(opt_values, grads, trainable)
+        return loss, trainable, non_trainable, opt_values
+
+    state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables],
+             [v.value for v in opt.variables])
+    records = []
+    for _ in range(2):
+        loss, *state = step(*state)
+        records.append(monitor.record(loss, non_trainable_variables=state[1], optimizer_variables=state[2]))
+    monitor.close()
+    assert [r["first_nonfinite"] for r in records] == [{"path": "boom", "where": "output"}] * 2
+    assert [r["loss_scale"] for r in records] == [1.0, 0.5] and all(r["skipped"] for r in records)
