@@ -1155,6 +1155,13 @@ def load_model(filepath: Any, policy: Policy | str | None = None, **kwargs: Any)
 
 # --- callbacks --------------------------------------------------------------------------------
 
+def _model_of(callback: Any) -> Any:
+    """The callback's model, without the JAX state sync that ``Callback.model`` performs on every
+    access (it puts the traced state back into the variables, and the next step re-gathers it:
+    callbacks that run every step read ``model._jax_state`` instead)."""
+    return callback._model if _backend() == "jax" else callback.model
+
+
 class LossScaleCallback(keras.callbacks.Callback):
     """Enforces ``on_min_scale = "warn" | "error"`` during a compiled ``fit``.
 
@@ -1164,7 +1171,7 @@ class LossScaleCallback(keras.callbacks.Callback):
     """
 
     def _optimizer(self) -> LossScaleOptimizer | None:
-        opt = getattr(self.model, "optimizer", None)
+        opt = getattr(_model_of(self), "optimizer", None)
         return opt if isinstance(opt, LossScaleOptimizer) else None
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -1176,7 +1183,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         opt = self._optimizer()
         if opt is None or not opt._needs_host_check() or not opt.built:
             return
-        jax_state = getattr(self.model, "_jax_state", None)
+        jax_state = getattr(_model_of(self), "_jax_state", None)
         if jax_state:
             index = next(i for i, v in enumerate(opt.variables) if v is opt.min_scale_overflows)
             opt.check_min_scale(jax_state["optimizer_variables"][index])
@@ -1344,6 +1351,22 @@ def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[in
     for c in (zero, ops.subtract(size, n_finite), under, over, size):
         parts.extend(_split_count(c))
     return ops.stack([ops.cast(p, "float32") for p in parts])
+
+
+def _fetch(parts: list[Any]) -> np.ndarray:
+    """Tensors (and variables' values) to one flat float64 host array, in one transfer."""
+    backend = _backend()
+    if backend == "jax":
+        import jax
+
+        host = jax.device_get([p.value if isinstance(p, keras.Variable) else p for p in parts])
+        return np.concatenate([np.asarray(h, np.float64).ravel() for h in host])
+    if backend == "torch":
+        import torch
+
+        flat = torch.cat([ops.convert_to_tensor(p).detach().reshape(-1).float() for p in parts])
+        return flat.cpu().numpy().astype(np.float64)
+    return _host(ops.concatenate([ops.reshape(ops.cast(p, "float32"), (-1,)) for p in parts])).astype(np.float64)
 
 
 class _MonitorSpec:
@@ -1666,8 +1689,7 @@ class Monitor:
         expected = self._next_step
         want_stats = expected is None or expected % self.every == 0
         parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
-        values = _host(ops.concatenate([ops.reshape(ops.cast(p, "float32"), (-1,)) for p in parts])).astype(
-            np.float64)
+        values = _fetch(parts)
         head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
         forward, backward, slot_loss, loss_seen = rest[:4]
         step = int(head_v[0]) * _SPLIT + int(head_v[1])
@@ -1675,7 +1697,7 @@ class Monitor:
         param_first, sampled = int(head_v[5]), bool(head_v[6])
         self._next_step = step + 1
         if sampled and not want_stats:  # record() was not called after every step: read them now
-            stats_v = _host(ops.reshape(ops.cast(stats, "float32"), (-1,))).astype(np.float64)
+            stats_v = _fetch([stats])
         else:
             stats_v = rest[5 if loss is not None else 4:]
         if loss is not None:
@@ -1760,7 +1782,7 @@ class MonitorCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.monitor is None:
             return
-        state = getattr(self.model, "_jax_state", None)
+        state = getattr(_model_of(self), "_jax_state", None)
         if state:
             self.monitor.record(non_trainable_variables=state["non_trainable_variables"],
                                 optimizer_variables=state["optimizer_variables"])
