@@ -1400,8 +1400,27 @@ def _live(tensors: list[Any]) -> bool:
 
 
 def _mark_first(slot: _Slot, bad: Any, index: int) -> None:
+    """``slot = index`` if ``bad`` and nothing is marked yet (on the device, no sync)."""
     current = slot.state.value
+    if _backend() == "torch":  # eager: one in-place op instead of a chain of Keras dispatches
+        import torch
+
+        with torch.no_grad():
+            current.masked_fill_(torch.logical_and(current < 0, bad), float(index))
+        return
     slot.state.assign(ops.where(ops.logical_and(ops.less(current, 0.0), bad), np.float32(index), current))
+
+
+def _any_nonfinite(tensors: list[Any]) -> Any:
+    if _backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            finite = torch.isfinite(tensors[0]).all()
+            for t in tensors[1:]:
+                finite = finite & torch.isfinite(t).all()
+            return ~finite
+    return ops.logical_not(ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors])))
 
 
 def _input_probe(t: Any, slot: _Slot, index: int) -> Any:
@@ -1414,7 +1433,7 @@ def _input_probe(t: Any, slot: _Slot, index: int) -> Any:
         @tf.custom_gradient
         def identity(x: Any) -> Any:
             def grad(upstream: Any) -> Any:
-                _mark_first(slot, tf.logical_not(tf.reduce_all(tf.math.is_finite(upstream))), index)
+                _mark_first(slot, _any_nonfinite([upstream]), index)
                 return upstream
 
             return tf.identity(x), grad
@@ -1426,8 +1445,7 @@ def _input_probe(t: Any, slot: _Slot, index: int) -> Any:
         t = t.view_as(t)  # this layer's use of the input only
 
         def hook(g: Any) -> None:
-            with torch.no_grad():
-                _mark_first(slot, torch.logical_not(torch.isfinite(g).all()), index)
+            _mark_first(slot, _any_nonfinite([g]), index)
 
         t.register_hook(hook)
     return t
@@ -1440,39 +1458,37 @@ class _LeafProbe:
         self.monitor, self.index = monitor, index
 
     def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        slots = self.monitor._slots
-        if _backend() == "jax" or not self.monitor.attribution:
+        if _backend() == "jax":  # JAX's backward cannot write state: parameter gradients decide there
             return args, kwargs
         floats = [t for t in keras.tree.flatten((args, kwargs)) if _is_float(t)]
         if not floats or not _live(floats):
             return args, kwargs
-        return keras.tree.map_structure(
-            lambda t: _input_probe(t, slots["backward"], self.index) if _is_float(t) else t, (args, kwargs))
+        slot = self.monitor._slots["backward"]
+        return keras.tree.map_structure(lambda t: _input_probe(t, slot, self.index) if _is_float(t) else t,
+                                        (args, kwargs))
 
     def after(self, out: Any) -> None:
         floats = [t for t in keras.tree.flatten(out) if _is_float(t)]
         if not floats or not _live(floats):
             return
-        finite = ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in floats]))
-        _mark_first(self.monitor._slots["forward"], ops.logical_not(finite), self.index)
+        _mark_first(self.monitor._slots["forward"], _any_nonfinite(floats), self.index)
 
 
 class _RootProbe:
-    """The model's hooks: a new forward pass starts with nothing marked and no loss seen."""
+    """The model's hook: a new forward pass starts with nothing marked and no loss seen."""
 
-    def __init__(self, monitor: "Monitor", leaf: _LeafProbe | None = None):
-        self.monitor, self.leaf = monitor, leaf
+    def __init__(self, monitor: "Monitor"):
+        self.monitor = monitor
 
     def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tensors = [t for t in keras.tree.flatten((args, kwargs)) if hasattr(t, "shape")]
         if tensors and _live(tensors):
             for name, value in (("forward", -1.0), ("backward", -1.0), ("loss_seen", 0.0)):
                 self.monitor._slots[name].state.assign(np.float32(value))
-        return self.leaf.before(args, kwargs) if self.leaf is not None else (args, kwargs)
+        return args, kwargs
 
     def after(self, out: Any) -> None:
-        if self.leaf is not None:
-            self.leaf.after(out)
+        pass
 
 
 class Monitor:
@@ -1604,7 +1620,7 @@ class Monitor:
                 leaf_of.update({id(v): index[row.path] for v in own})
             probe: Any = _LeafProbe(self, index[row.path]) if leaf and self.attribution else None
             if row.path == "":
-                probe = _RootProbe(self, probe)
+                probe = _RootProbe(self)
             if probe is not None:
                 _call_wrapper(layer).probe = probe
             else:
