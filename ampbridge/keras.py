@@ -11,6 +11,12 @@ Works the same on Keras's TensorFlow, JAX and torch backends; it imports ``keras
 * :func:`optimizer` wraps a Keras optimizer in :class:`LossScaleOptimizer`, a subclass of
   Keras's own that runs ampbridge's reference loss-scale algorithm in ``keras.ops``.
 * :class:`PhaseCallback` switches phases of a precision schedule during ``fit``.
+* :class:`MonitorCallback` (``fit``) and :class:`Monitor` (custom loops) write the numerics log
+  ``ampbridge report`` reads: per-layer gradient statistics and which layer overflowed first.
+
+All of them apply the environment's bisect switch (``AMPBRIDGE_DISABLE=1``,
+``AMPBRIDGE_POLICY=...``) and resolve ``compute_dtype = "auto"`` for the backend's
+:func:`device` (:func:`resolve_policy`).
 
 Example:
     >>> import keras, ampbridge
