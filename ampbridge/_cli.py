@@ -218,7 +218,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
     if args.plot:
         plot(log, args.plot)
-        print(f"plot written to {args.plot}", file=sys.stderr)
+        print(f"plot written to {args.plot}")
     return 0
 
 

@@ -77,7 +77,9 @@ class PlanRow:
         if self.rule == "default":
             return "default"
         text = f"{self.rule} {self.pattern}" if self.pattern else self.rule
-        return text + (f" (via {self.inherited_from})" if self.inherited_from else "")
+        if self.inherited_from is None:
+            return text
+        return text + f" (via {self.inherited_from or 'the model'})"
 
     def key(self) -> tuple[Any, ...]:
         """What must agree when the same policy is planned in two frameworks."""

@@ -11,7 +11,10 @@ What runs where:
   ``Parameter`` objects, so optimizers keep working); buffers (BatchNorm running statistics) stay
   float32; the model's floating outputs are cast to ``output_dtype``;
 - **loss scaling**: :class:`GradScaler`, a ``torch.amp.GradScaler`` subclass that follows
-  ampbridge's reference algorithm (``ampbridge._loss_scale``) exactly, with tensor ops only.
+  ampbridge's reference algorithm (``ampbridge._loss_scale``) exactly, with tensor ops only;
+- **diagnostics**: ``amp.monitor(path, every=N)`` (:class:`Monitor`) writes the numerics log
+  ``ampbridge report`` reads (per-layer gradient statistics, which layer overflowed first);
+  ``AMPBRIDGE_DISABLE=1`` / ``AMPBRIDGE_POLICY=...`` replace the policy ``apply`` is given.
 
 A policy without pins is bit-identical to plain ``torch.autocast`` + ``torch.amp.GradScaler``:
 ampbridge adds casts only where a rule or a storage dtype needs them.
@@ -40,6 +43,7 @@ import copy
 import functools
 import inspect
 import logging
+import math
 import sys
 import warnings
 import weakref
@@ -52,7 +56,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ._io import PRESETS, load, preset
 from ._loss_scale import LossScaleState, enter_phase, f32, initial_state
@@ -66,6 +70,7 @@ __all__ = [
     "FSDPPrecision",
     "GradScaler",
     "ModelNotSupportedError",
+    "Monitor",
     "StepResult",
     "TorchAmp",
     "apply",
@@ -184,15 +189,16 @@ def _class_name(module: nn.Module) -> str:
 
 
 def _entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``named_modules()`` without the root, unless the root is the only module (a leaf)."""
-    entries = list(model.named_modules())
-    return entries[1:] if len(entries) > 1 else entries
+    """``named_modules()``: the model itself first (path ``""``), then every submodule."""
+    return list(model.named_modules())
 
 
 def layers(model: nn.Module) -> list[Layer]:
     """The model as neutral layer descriptors (paths are ``named_modules()`` names).
 
-    A parameter shared by several modules (tied weights) counts once, at its first module.
+    The model itself is the first, path ``""``, with the parameters it owns itself (a ViT's
+    ``self.pos = nn.Parameter(...)``), as in every backend. A parameter shared by several
+    modules (tied weights) counts once, at its first module.
     """
     seen: set[int] = set()
     out = []
@@ -515,7 +521,6 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
     raw = build_plan(layers(model), policy, framework="torch", warn=warn)
     rules = dict(policy.rules)
     bypassed = _bypassed(model)
-    is_leaf_root = entries[0][0] == "" if entries else False
 
     # 1. storage: each parameter in the dtype its module's row asks for (the widest, if shared)
     requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -547,7 +552,6 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
     # 2. regions: a module whose compute dtype differs from its parent's region runs its own.
     # Without autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule
     # sits inside one, the region's leaves get their floating inputs cast to float32.
-    root_compute = raw[""].compute_dtype if is_leaf_root else policy.compute_dtype
     low_below: set[str] = set()
     for row in raw.rows:
         if row.output_dtype != "float32" or row.compute_dtype != "float32":
@@ -572,15 +576,15 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
             final.append(with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
                                         f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype))
             continue
+        is_root = path == ""  # its region, input and output casts are the root spec (below)
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
-        has_parent = parent_path in raw and parent_path != path
-        enclosing = raw[parent_path].compute_dtype if has_parent else policy.compute_dtype
+        enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
         compute = row.compute_dtype
         own_float = [p for p in module.parameters(recurse=False)
                      if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
         own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
         own_low = any(d in _LOW for d in own_stored)
-        region_change = compute != enclosing and not (path == "" and is_leaf_root)
+        region_change = compute != enclosing and not is_root
         region_root[path] = path if region_change else region_root.get(parent_path, "")
         mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
                          and next(module.children(), None) is None and behaviour != "weights")
@@ -589,8 +593,8 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 compute == "float32" or behaviour not in ("cast", "float32")):
             present_as = DTYPES[compute]
         cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
-        if path == "" and is_leaf_root:
-            cast_inputs = cast_inputs or compute != policy.compute_dtype
+        if is_root:  # the caller's region is the policy's: a rule on the root changes it
+            cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
         rule = rules.get(row.rule)
         explicit_output = rule is not None and rule.output_dtype is not None
         natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
@@ -600,8 +604,10 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                          and present_as is None and compute != "float32")
         wrap = region_change or cast_inputs or present_as is not None or follow_params or (
             explicit_output and row.output_dtype != natural_out)
-        if path == "" and is_leaf_root:
-            wrap = False  # folded into the root spec below
+        if is_root:
+            wrap = False
+            specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
+                              DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
         changes: dict[str, Any] = {}
         notes_here = [note] if note else []
         stored = {_NAMES[d] for d in own_stored}
@@ -630,26 +636,11 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 changes["output_dtype"] = natural_out
             if follows:
                 input_following.add(path)
-        if path == "" and is_leaf_root:
+        if is_root:  # the model's outputs: the policy's output_dtype, whatever a rule says
             changes["output_dtype"] = policy.output_dtype
-        final.append(with_note(row, "; ".join(notes_here), **changes) if notes_here or changes else row)
-
-    # 3. the root: the model-wide region, matmul precision, outputs in output_dtype
-    root_row = raw[""] if is_leaf_root else None
-    root_module = model
-    behaviour = _behaviour(root_module, device_type) if root_row else "region"
-    cast_root_inputs = None
-    present_as = None
-    if root_row is not None:
-        own_stored = {storage[id(p)][1] for p in root_module.parameters(recurse=False) if id(p) in storage}
-        own_low = any(d in _LOW for d in own_stored)
-        if own_low and any(d != DTYPES[root_compute] for d in own_stored) and (
-                root_compute == "float32" or behaviour not in ("cast", "float32")):
-            present_as = DTYPES[root_compute]
-        if root_compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom")):
-            cast_root_inputs = DTYPES[root_compute]
-    specs[""] = _Spec("", device_type, DTYPES[root_compute], cast_root_inputs, DTYPES[policy.output_dtype],
-                      present_as, policy.matmul_precision, root=True)
+            if policy.output_dtype != changes.get("compute_dtype", compute):
+                notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
+        final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
 
     plan_notes = list(notes)
     if policy.matmul_precision != "highest":
@@ -737,6 +728,7 @@ class GradScaler(torch.amp.GradScaler):
         self._found_read: dict[int, bool] = {}  # optimizer id -> found_inf read in step() (no extra sync)
         self._at_min_read: bool | None = None
         self._last_result: StepResult = _APPLIED
+        self._monitor: Monitor | None = None  # fed by scale(), the unscale and update()
 
     # configuration
 
@@ -766,6 +758,8 @@ class GradScaler(torch.amp.GradScaler):
         self._skipped = torch.full((), state.skipped, dtype=torch.float64, device=dev)
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        if self._monitor is not None:
+            self._monitor._saw_loss(outputs)
         if self._enabled and self.config.mode == "none":
             if self._scale is None:  # scale 1: nothing to multiply, but the state lives on the device
                 first = outputs if isinstance(outputs, torch.Tensor) else next(iter(outputs))
@@ -775,6 +769,8 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        if self._monitor is not None:  # the gradients as backward left them: still scaled
+            self._monitor._saw_grads(self._scale, self._steps)
         # param_dtype = float16 means float16 gradients: the policy asked for them
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
 
@@ -801,6 +797,8 @@ class GradScaler(torch.amp.GradScaler):
         return None if overflow else optimizer.step(*args, **kwargs)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self._monitor is not None and not self._enabled:  # nothing is unscaled: scale 1
+            self._monitor._saw_grads(None, self._host_steps)
         if (self._enabled and not self.config.skip_nonfinite
                 and getattr(optimizer, "_step_supports_amp_scaling", False)
                 and "grad_scaler" not in inspect.signature(optimizer.step).parameters):
@@ -828,6 +826,8 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the loss-scale state by one step (the reference ``next_state``)."""
         if not self._enabled:  # mode none without skipping: only the step counter moves
+            if self._monitor is not None:
+                self._monitor._step_done(self._host_steps, None, None, None, False)
             self._host_steps += 1
             self._last_result = _APPLIED
             return
@@ -844,6 +844,8 @@ class GradScaler(torch.amp.GradScaler):
             found_flag = found_flag + f
         read = [self._found_read.get(i) for i in self._per_optimizer_states]
         known = None if any(r is None for r in read) else any(read)
+        if self._monitor is not None:  # before the scale moves: the log holds the scale this step used
+            self._monitor._step_done(self._steps, found_flag, known, scale, self.config.skip_nonfinite)
         if self._needs_min_check():
             if known is not None and self._at_min_read is not None:
                 hit = known and self._at_min_read
@@ -981,6 +983,7 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError("A GradScaler instance may only be pickled at the beginning of an iteration, "
                                  "or at the end after scaler.update().")
         state["_pending"] = self.loss_scale_state()
+        state["_monitor"] = None  # a log file stays with its process
         for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped"):
             state[name] = None
         state["_last_result"] = _APPLIED
@@ -1027,6 +1030,413 @@ class StepResult:
 _APPLIED, _SKIPPED = StepResult(True), StepResult(False)
 
 
+# --- the numerics monitor ----------------------------------------------------------------------
+
+#: steps a monitor keeps on the device while the host has not learnt their found_inf (a fused
+#: optimizer, or skip_nonfinite = false); it reads them together at the next sampled step, or here
+_PENDING_LIMIT = 1000
+
+
+def _to_host(values: torch.Tensor) -> list[float]:
+    """The monitor's one device-to-host transfer for a logged step (tests count the calls)."""
+    return values.to("cpu").tolist()
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.layout is not torch.strided else grad
+
+
+def _extremes(t: torch.Tensor, values: list[torch.Tensor], who: list[int], index: int) -> None:
+    """Append min and max of ``t`` (one kernel; non-finite iff some element is: nan propagates)."""
+    low, high = torch.aminmax(t)
+    values += (low, high)
+    who += (index, index)
+
+
+class _Flags:
+    """What attribution saw in one step: extremes on the device, and on the host whose they are."""
+
+    __slots__ = ("fwd_vals", "fwd_who", "bwd_vals", "bwd_who")
+
+    def __init__(self) -> None:
+        # forward outputs per candidate call, then the gradients w.r.t. each call's inputs in
+        # backward order (who[k]: the candidate of values[k])
+        self.fwd_vals: list[torch.Tensor] = []
+        self.fwd_who: list[int] = []
+        self.bwd_vals: list[torch.Tensor] = []
+        self.bwd_who: list[int] = []
+
+
+class _Pending(NamedTuple):
+    """A step whose found_inf is still on the device (read later, all pending steps at once)."""
+
+    step: int
+    skip: bool
+    found_by_norms: bool  # values[0] is the sum of gradient maxima (no scaler flag): found if non-finite
+    values: torch.Tensor  # found, loss, scale, then the attribution maxima (forward, backward, parameters)
+    fwd_who: list[int]
+    bwd_who: list[int]
+    param_who: list[int]
+
+
+class Monitor:
+    """The numerics log of a training run (JSON Lines; ``ampbridge report RUN.jsonl`` reads it).
+
+    Made by :meth:`TorchAmp.monitor`; the scaler feeds it (``amp.step``, or the native
+    ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` loop). Every step record
+    holds the loss (of the last ``scaler.scale`` call), the scale the step used, ``found_inf`` and
+    ``skipped``. On steps 0, N, 2N, ... of the scaler's step counter (``every=N``) it also holds
+    each layer's gradient statistics (``ampbridge._runlog.layer_stats``: the gradients of the
+    parameters the layer owns, before unscaling, in the layer's compute dtype), computed with
+    torch ops on the device and read in one transfer. A step whose gradients were non-finite is
+    always logged, with ``first_nonfinite``: the first leaf module (forward order) whose output was
+    non-finite, else the first (backward order) whose input gradient or own parameter gradient
+    was, else ``{"path": "", "where": "loss"}``.
+
+    Attribution (``attribution=True``) costs a forward hook per leaf module and a view plus a
+    tensor hook per leaf input that needs a gradient (two small device ops each, every step, no
+    host sync); the flags are read only on a non-finite step, which the host learns anyway (the
+    scaler reads found_inf; with a fused optimizer, or ``skip_nonfinite = false``, the host never
+    does: those steps wait on the device and are read with the next sampled step, at the latest
+    every 1000 steps). Modules with ``inplace=True`` get no input probe (an in-place op on a
+    probed input would lose it); a leaf whose output holds inf on purpose (an additive mask) would
+    be named first: pass ``attribution=False`` or keep the mask out of a module.
+
+    Example:
+        >>> import tempfile, os, ampbridge
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> amp = apply(model, "mixed_float16")
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with amp.monitor(path, every=10):
+        ...     for _ in range(3):
+        ...         _ = amp.step(model(torch.ones(2, 4)).mean() * 1e-3, opt)
+        >>> log = ampbridge._runlog.read_log(path)
+        >>> log.header["layers"], [s["step"] for s in log.steps], sorted(log.steps[0]["layers"])
+        (['0', '1'], [0], ['0', '1'])
+    """
+
+    def __init__(self, amp: "TorchAmp", path: str | Path, every: int = 1, *, attribution: bool = True):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be an integer >= 1 (statistics on every N-th step); received {every!r}")
+        self.path = Path(path)
+        self.every = every
+        self.attribution = bool(attribution)
+        self.path.open("w", encoding="utf-8").close()  # an unwritable path fails here, not mid-run
+        self._amp = amp
+        named = list(amp.model.named_modules())
+        modules = dict(named)
+        # the parameters each layer owns (a shared one counts at its first module, as in layers())
+        seen: set[int] = set()
+        self._owned: list[tuple[str, list[nn.Parameter]]] = []
+        for path_, module in named:
+            own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            own = [p for p in own if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
+            if own:
+                self._owned.append((path_, own))
+        # attribution candidates: modules that run no sub-module (a MultiheadAttention never calls
+        # its out_proj: it is the candidate, not out_proj)
+        bypassed = _bypassed(amp.model)
+        whole = set(bypassed.values())
+        self._candidates = [p for p, m in named
+                            if p not in bypassed and (next(m.children(), None) is None or p in whole)]
+        index = {p: i for i, p in enumerate(self._candidates)}
+        # candidates' own parameters first: their flags are the attribution fallback
+        owned_by = [(index.get(p, -1), q) for p, params in self._owned for q in params]
+        self._grad_params = sorted(owned_by, key=lambda t: t[0] < 0)
+        self._order: list[str] = []
+        self._order_seen: set[str] = set()
+        self._order_hooks = [m.register_forward_pre_hook(functools.partial(self._first_call, p)) for p, m in named]
+        self._hooks = []
+        if self.attribution:
+            for i, p in enumerate(self._candidates):
+                m = modules[p]
+                if not getattr(m, "inplace", False):
+                    self._hooks.append(m.register_forward_pre_hook(functools.partial(self._probe_inputs, i)))
+                self._hooks.append(m.register_forward_hook(functools.partial(self._check_output, i)))
+        self._acc = torch.float32 if amp.device_type == "mps" else torch.float64  # mps has no float64
+        self._flags = _Flags()
+        self._loss: torch.Tensor | None = None
+        self._stats: tuple[torch.Tensor, list[tuple[str, int]]] | None = None
+        self._took_grads = False
+        self._pending: list[_Pending] = []
+        self._writer: Any = None
+        self.closed = False
+        amp.scaler._monitor = self
+
+    def __repr__(self) -> str:
+        return f"Monitor({str(self.path)!r}, every={self.every}, attribution={self.attribution}" + (
+            ", closed)" if self.closed else ")")
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Monitor":
+        return self  # a deep copy of the model (an EMA twin) keeps feeding this log
+
+    def __getstate__(self) -> None:
+        raise TypeError("an ampbridge.torch.Monitor writes a file of this process: close it (monitor.close()) "
+                        "before pickling the model")
+
+    def close(self) -> None:
+        """Read any steps still on the device, write them, close the file, remove the hooks."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._pending:
+                self._flush()
+            self._header()
+        finally:
+            for handle in self._order_hooks + self._hooks:
+                handle.remove()
+            self._order_hooks, self._hooks = [], []
+            if self._amp.scaler._monitor is self:
+                self._amp.scaler._monitor = None
+            if self._writer is not None:
+                self._writer.close()
+
+    # --- hooks (kept small: they run on every forward and backward)
+
+    def _first_call(self, path: str, module: nn.Module, args: Any) -> None:
+        if path not in self._order_seen:
+            self._order_seen.add(path)
+            self._order.append(path)
+
+    def _probe_inputs(self, index: int, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        # a view per input: its gradient is exactly this call's contribution (torch's full backward
+        # hooks do the same with a custom Function, which forbids in-place ops on the module's
+        # outputs, as in `out += identity`); the same tensor passed twice stays one tensor
+        if not torch.is_grad_enabled():
+            return None
+        views: dict[int, torch.Tensor] | None = None
+        new: list[Any] = []
+        for k, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.layout is torch.strided and a.is_floating_point():
+                if views is None:
+                    views, new = {}, list(args)
+                v = views.get(id(a))
+                if v is None:
+                    v = a.view_as(a)
+                    v.register_hook(functools.partial(self._check_input_grad, index))
+                    views[id(a)] = v
+                new[k] = v
+        return tuple(new) if views else None
+
+    def _check_input_grad(self, index: int, grad: torch.Tensor) -> None:
+        if grad.numel():
+            flags = self._flags
+            _extremes(grad, flags.bwd_vals, flags.bwd_who, index)
+
+    def _check_output(self, index: int, module: nn.Module, args: Any, out: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        flags = self._flags
+        with torch.no_grad():  # a flag, not part of the graph (it would keep the output alive)
+            if isinstance(out, torch.Tensor):
+                if out.is_floating_point() and out.numel():
+                    _extremes(out, flags.fwd_vals, flags.fwd_who, index)
+                return
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    _extremes(t, flags.fwd_vals, flags.fwd_who, index)
+
+    # --- fed by the scaler
+
+    def _saw_loss(self, outputs: Any) -> None:
+        self._loss = outputs.detach() if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
+
+    def _saw_grads(self, scale: torch.Tensor | None, step: int) -> None:
+        if self._took_grads:  # once per step, before the first unscale
+            return
+        self._took_grads = True
+        if step % self.every == 0:
+            self._stats = self._layer_stats(scale)
+
+    def _layer_stats(self, scale: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
+        """Per layer on the device: finite count, max |g/S|, sum (g/S)^2, zeros, below the smallest
+        subnormal once unscaled (zeros included), zero once unscaled, beyond the compute max (scaled)."""
+        from ._dtypes import formats
+
+        plan, facts, acc = self._amp.plan, formats(), self._acc
+        fallback = facts[self._amp.active_policy.compute_dtype]
+        rows, meta = [], []
+        for path, params in self._owned:
+            grads = [_dense(p.grad) for p in params if p.grad is not None]
+            n = sum(g.numel() for g in grads)
+            if not n:
+                continue
+            fmt = facts.get(plan[path].compute_dtype, fallback) if path in plan else fallback
+            flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
+            a = flat.to(acc, copy=True).abs_()
+            zero = (a == 0).sum()
+            finite = (a < math.inf).sum()  # a = |g|: false for inf and nan
+            a.nan_to_num_(0.0, 0.0, 0.0)
+            over = (a > fmt.max).sum()
+            if scale is not None:
+                a.div_(scale.to(acc))
+            rows.append(torch.stack([finite, a.max(), torch.dot(a, a), zero, (a < fmt.smallest_subnormal).sum(),
+                                     (a == 0).sum(), over]).to(acc))
+            meta.append((path, n))
+        return (torch.stack(rows), meta) if rows else None
+
+    def _step_done(self, step: int, found: torch.Tensor | None, known: bool | None, scale: torch.Tensor | None,
+                   skip: bool) -> None:
+        """Called by the scaler's update() before the scale moves; ``known``: found_inf if the host read it."""
+        self._took_grads = False
+        if self._order_hooks:  # the first forward showed the order
+            for handle in self._order_hooks:
+                handle.remove()
+            self._order_hooks = []
+        flags, self._flags = self._flags, _Flags()
+        loss, self._loss = self._loss, None
+        stats, self._stats = self._stats, None
+        if known is False and stats is None:
+            return  # the common step: nothing read, nothing written
+        acc = self._acc
+        device = scale.device if scale is not None else torch.device(self._amp.device_type)
+        # device values, read as one vector; the host tells non-finite maxima apart itself
+        norms = None
+        param_who: list[int] = []
+        if (known is not False and self.attribution) or found is None:
+            grads = [(i, _dense(p.grad)) for i, p in self._grad_params if p.grad is not None and p.grad.numel()]
+            if grads and device.type == "cuda":  # one multi-tensor kernel
+                norms = torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).to(acc)
+                param_who = [i for i, _ in grads if i >= 0]
+            elif grads:  # elsewhere torch loops anyway, and aminmax is the cheap reduction
+                values: list[torch.Tensor] = []
+                who: list[int] = []
+                for i, g in grads:
+                    _extremes(g, values, who, i)
+                norms = torch.stack(values).to(acc)
+                param_who = [i for i in who if i >= 0]
+        # found: the scaler's flag (> 0), or without one the sum of all gradient maxima (non-finite)
+        if found is None:
+            found = norms.sum() if norms is not None else torch.zeros((), dtype=acc, device=device)
+            by_norms = True
+        else:
+            by_norms = False
+        parts = [torch.stack([found.to(device, acc).reshape(()),
+                              loss.to(device, acc).reshape(()) if loss is not None else
+                              torch.full((), math.nan, dtype=acc, device=device),
+                              scale.to(acc).reshape(()) if scale is not None else
+                              torch.ones((), dtype=acc, device=device)])]
+        fwd_who: list[int] = []
+        bwd_who: list[int] = []
+        if self.attribution and known is not False:
+            if flags.fwd_vals:
+                parts.append(torch.stack(flags.fwd_vals).to(acc))
+                fwd_who = flags.fwd_who
+            if flags.bwd_vals:
+                parts.append(torch.stack(flags.bwd_vals).to(acc))
+                bwd_who = flags.bwd_who
+            if param_who:
+                assert norms is not None
+                parts.append(norms[:len(param_who)])  # the candidates' own parameters come first
+        values = torch.cat(parts)
+        entry = _Pending(step, skip, by_norms, values, fwd_who, bwd_who, param_who)
+        if known is None and stats is None and len(self._pending) < _PENDING_LIMIT:
+            if self._pending:  # a static graph calls the same modules each step: keep one list
+                last = self._pending[-1]
+                entry = entry._replace(fwd_who=last.fwd_who if last.fwd_who == fwd_who else fwd_who,
+                                       bwd_who=last.bwd_who if last.bwd_who == bwd_who else bwd_who)
+            self._pending.append(entry)
+            return
+        self._flush(entry, known, stats)
+
+    def _flush(self, now: _Pending | None = None, known: bool | None = None,
+               stats: tuple[torch.Tensor, list[tuple[str, int]]] | None = None) -> None:
+        """One transfer: every pending step, and this one with its statistics."""
+        entries = self._pending + ([now] if now is not None else [])
+        self._pending = []
+        blocks = [e.values for e in entries] + ([stats[0].reshape(-1)] if stats is not None else [])
+        host = _to_host(torch.cat(blocks))
+        self._header()
+        offset = 0
+        for e in entries:
+            count = e.values.numel()
+            values, offset = host[offset:offset + count], offset + count
+            if e is now and known is not None:
+                found = known
+            else:
+                found = not math.isfinite(values[0]) if e.found_by_norms else values[0] > 0
+            layers = self._decode_stats(host[offset:], stats[1]) if e is now and stats is not None else None
+            if not found and layers is None:
+                continue  # a finite step that only waited to be read
+            loss = values[1] if math.isfinite(values[1]) else None
+            first = self._origin(values[3:], e, loss is not None) if found and self.attribution else None
+            self._writer.step(e.step, loss=loss, loss_scale=values[2], found_inf=found, skipped=found and e.skip,
+                              layers=layers or {}, first_nonfinite=first)
+
+    def _decode_stats(self, values: list[float], meta: list[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        out = {}
+        for k, (path, n) in enumerate(meta):
+            finite, max_abs, sumsq, zero, below, zero_unscaled, over = values[7 * k:7 * k + 7]
+            nonfinite = n - finite
+            out[path] = {
+                "grad_max_abs": max_abs if finite else float("nan"),
+                "grad_rms": math.sqrt(sumsq / finite) if finite else float("nan"),
+                "zero": zero / n,
+                "nonfinite": nonfinite / n,
+                # zero once unscaled = zero, non-finite (set to 0) or flushed by the division
+                "underflow": (below - zero_unscaled) / n,
+                "overflow": over / n,
+            }
+        return out
+
+    def _origin(self, maxima: list[float], e: _Pending, finite_loss: bool) -> dict[str, str]:
+        bad = [not math.isfinite(x) for x in maxima]
+        nf, nb = len(e.fwd_who), len(e.bwd_who)
+        for k in range(nf):
+            if bad[k]:
+                return {"path": self._candidates[e.fwd_who[k]], "where": "output"}
+        if not finite_loss:  # the loss comes after every layer's output and before every gradient
+            return {"path": "", "where": "loss"}
+        for k in range(nb):
+            if bad[nf + k]:
+                return {"path": self._candidates[e.bwd_who[k]], "where": "gradient"}
+        # a parameter gradient overflowed while no input gradient did: the first such layer in
+        # backward order (the one called last in the forward)
+        last_call = {i: k for k, i in enumerate(e.fwd_who)}
+        hit = {e.param_who[k] for k in range(len(e.param_who)) if bad[nf + nb + k]}
+        if hit:
+            return {"path": self._candidates[max(hit, key=lambda i: last_call.get(i, -1))], "where": "gradient"}
+        return {"path": "", "where": "loss"}
+
+    def _header(self) -> None:
+        if self._writer is not None:
+            return
+        from ._io import policy_to_dict
+        from ._runlog import RunLogWriter
+
+        policy = self._amp.active_policy
+        self._writer = RunLogWriter(self.path, framework="torch", compute_dtype=policy.compute_dtype,
+                                    layers=self._forward_order(), policy=policy_to_dict(policy),
+                                    min_scale=self._amp.scaler.config.min_scale,
+                                    extra={"every": self.every, "attribution": self.attribution})
+
+    def _forward_order(self) -> list[str]:
+        """The Plan's paths in the order the first forward called them; modules it did not call
+        (MultiheadAttention's out_proj) right after their parent's subtree."""
+        paths = [r.path for r in self._amp.plan.rows if r.path]
+        known = set(paths)
+        order = [p for p in self._order if p in known]
+        placed = set(order)
+        for p in paths:
+            if p in placed:
+                continue
+            parent = p.rsplit(".", 1)[0] if "." in p else ""
+            at = max((j for j, q in enumerate(order) if not parent or q == parent or q.startswith(parent + ".")),
+                     default=len(order) - 1)
+            order.insert(at + 1, p)
+            placed.add(p)
+        return order
+
+
 # --- apply -------------------------------------------------------------------------------------
 
 def _check_model(model: Any) -> None:
@@ -1066,7 +1476,19 @@ def apply(model: nn.Module, policy: Policy | str | Path, device_type: str | None
         True
     """
     _check_model(model)
-    return TorchAmp(model, _as_policy(policy), _device_type_of(model, device_type))
+    from ._env import effective_policy
+
+    given = _as_policy(policy)
+    effective = effective_policy(given, "torch")  # the bisect switch; warns once, at the caller
+    return TorchAmp(model, effective, _device_type_of(model, device_type), notes=_environment_notes(given, effective))
+
+
+def _environment_notes(given: Policy, effective: Policy) -> tuple[str, ...]:
+    """The Plan note when ``AMPBRIDGE_DISABLE=1`` or ``AMPBRIDGE_POLICY=...`` replaced the policy."""
+    if effective is given:
+        return ()
+    return (f"the environment replaced the policy given ({given.source or 'in code'}) with "
+            f"{effective.source or 'another'} (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY)",)
 
 
 class TorchAmp:
@@ -1083,8 +1505,10 @@ class TorchAmp:
     schedule by step) switch to the phase in force.
     """
 
-    def __init__(self, model: nn.Module, policy: Policy, device_type: str):
+    def __init__(self, model: nn.Module, policy: Policy, device_type: str, *, notes: Sequence[str] = ()):
         self.model = model
+        self._env_notes = tuple(notes)
+        self._monitor: Monitor | None = None
         self.policy = policy  # the whole policy, schedule included
         self.device_type = device_type
         self._position = {"step": 0, "epoch": 0}
@@ -1094,7 +1518,7 @@ class TorchAmp:
         self._phase_index = policy.phase_index(step=0, epoch=0) if policy.phases else None
         phase_policy = policy.at(step=0, epoch=0)
         resolved, notes = _resolve_for_device(phase_policy, device_type)
-        self._realisation = _realise(model, resolved, device_type, notes=notes)
+        self._realisation = _realise(model, resolved, device_type, notes=self._env_notes + tuple(notes))
         self._resolved = resolved
         self._cast_storage(self._realisation)
         self._install(self._realisation)
@@ -1179,7 +1603,9 @@ class TorchAmp:
 
     def remove(self) -> None:
         """Undo ``apply``: the original forwards come back, parameters are stored in float32 again
-        (values kept; a float16/bfloat16 storage has already rounded them)."""
+        (values kept; a float16/bfloat16 storage has already rounded them); closes a monitor."""
+        if self._monitor is not None:
+            self._monitor.close()
         self._uninstall()
         changed = []
         with torch.no_grad():
@@ -1220,6 +1646,18 @@ class TorchAmp:
             self._switch_to(self.policy.phase_index(step=self._position["step"]))
         return result
 
+    def monitor(self, path: str | Path, every: int = 1, *, attribution: bool = True) -> Monitor:
+        """Log loss, scale, skips, overflow origins and (every N-th step) per-layer gradient
+        statistics to ``path`` (JSON Lines, read by ``ampbridge report``); see :class:`Monitor`.
+
+        Use it as a context manager, or call ``.close()``; ``amp.remove()`` closes it too.
+        """
+        if self._monitor is not None and not self._monitor.closed:
+            raise AmpBridgeError(f"this model already has a monitor writing {str(self._monitor.path)!r}; close it "
+                                 "first (monitor.close())")
+        self._monitor = Monitor(self, path, every, attribution=attribution)
+        return self._monitor
+
     def trace(self, *args: Any, **kwargs: Any) -> Plan:
         """The Plan as observed in one forward on these inputs (no gradients; buffers and RNG restored).
 
@@ -1257,7 +1695,7 @@ class TorchAmp:
         before = self._resolved
         phase_policy = self.policy.phases[index].policy if index is not None else self.policy.replace(phases=())
         resolved, notes = _resolve_for_device(phase_policy, self.device_type)
-        realisation = _realise(self.model, resolved, self.device_type, notes=notes)
+        realisation = _realise(self.model, resolved, self.device_type, notes=self._env_notes + tuple(notes))
         self._uninstall()
         self._cast_storage(realisation)
         self._install(realisation)
@@ -1305,13 +1743,25 @@ def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, de
         >>> p["1"].note
         "follows its input's dtype: cpu autocast leaves Softmax alone (bfloat16 when fed by a bfloat16 layer)"
     """
-    policy = _as_policy(policy)
+    from ._env import effective_policy
+
+    given = _as_policy(policy)
+    policy = effective_policy(given, "torch", warn=False)  # what apply would run
+    env_notes = _environment_notes(given, policy)
     if not example_inputs and not example_kwargs:
         device_type = _device_type_of(model, device_type) if not isinstance(model, torch.jit.ScriptModule) else (
             device_type or "cpu")
         resolved, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
+        notes = list(env_notes) + notes
         if isinstance(model, torch.jit.ScriptModule):
-            built = build_plan(layers(model), resolved, framework="torch")
+            def model_output(row: PlanRow) -> PlanRow:
+                out = resolved.output_dtype
+                if row.path or row.output_dtype == out:
+                    return row
+                note = f"model outputs cast to output_dtype {out}" if out != row.compute_dtype else None
+                return with_note(row, note, output_dtype=out)
+
+            built = build_plan(layers(model), resolved, framework="torch", adjust=model_output)
             return Plan(built.rows, built.policy, "torch", built.unmatched_rules,
                         tuple(notes) + ("a TorchScript module: rows as requested (autocast's per-op behaviour "
                                         "is not inspected)",))
@@ -1322,7 +1772,8 @@ def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, de
     twin = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", AmpBridgeWarning)
-        amp = apply(twin, policy, device_type)
+        _check_model(twin)
+        amp = TorchAmp(twin, policy, _device_type_of(twin, device_type), notes=env_notes)
     # the unmatched-rule warnings belong to the caller, once
     _realise(model, amp.active_policy, amp.device_type)
     return amp.trace(*example_inputs, **example_kwargs)
@@ -1511,8 +1962,14 @@ def fsdp_policy(policy: Policy | str | Path, model: nn.Module | None = None, dev
                               buffer_dtype=torch.float32, cast_forward_inputs=not root)
 
     root = conversion.result["root"]
-    pinned = {path: fsdp2(g["fsdp2"]) for g in conversion.result["pinned"] for path in g["paths"] or ()}
-    pinned1 = {path: fsdp1(g["fsdp1"], False) for g in conversion.result["pinned"] for path in g["paths"] or ()}
+    groups = conversion.result["pinned"]
+    pinned = {path: fsdp2(g["fsdp2"]) for g in groups for path in g["paths"] or () if path}
+    pinned1 = {path: fsdp1(g["fsdp1"], False) for g in groups for path in g["paths"] or () if path}
+    # a rule on the model itself (``**``, ``type:MyModel``) decides the root's own wrapping, which
+    # shard() applies last; its outputs stay in the policy's output_dtype
+    on_root = next((g for g in groups if "" in (g["paths"] or ())), None)
+    if on_root is not None:
+        root = {"fsdp2": dict(on_root["fsdp2"], output_dtype=policy.output_dtype), "fsdp1": on_root["fsdp1"]}
     if model is None and policy.rules:
         notes.append(f"pass the model to get the per-module policies of {len(policy.rules)} pinning rule(s)")
     return FSDPPrecision(fsdp2(root["fsdp2"], output=False), fsdp2(root["fsdp2"]), fsdp1(root["fsdp1"], True),

@@ -1,26 +1,77 @@
-"""Run every benchmark (benchmarks/bench_*.py), each in its own process, and print their tables.
+"""Run every benchmark (benchmarks/bench_*.py), each in its own process, and write docs/benchmarks.md.
 
-Usage: python benchmarks/run.py [NAME ...]   (NAME: torch, keras, jax, plan, ...; default: all)
+Each script times ampbridge against the native equivalent in the same process (interleaved,
+medians) and prints its own table; this runner prints them as they come and collects them, with
+the machine, the versions and the date, into docs/benchmarks.md.
+
+Usage: python benchmarks/run.py [NAME ...] [--no-write]   (NAME: torch, keras, jax, plan, scale, ...)
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import os
+import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
+OUT = HERE.parent / "docs" / "benchmarks.md"
+PACKAGES = ("ampbridge", "torch", "tensorflow-cpu", "keras", "jax", "jaxlib", "flax", "optax", "jmp", "numpy")
+
+
+def machine() -> list[str]:
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = []
+    for name in PACKAGES:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return [
+        f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}",
+        f"- machine: {platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, "
+        f"load average {load:.1f} at the start (a shared VM: timings swing about 15% run to run)",
+        f"- python {platform.python_version()}; " + ", ".join(versions),
+    ]
 
 
 def main(argv: list[str]) -> int:
-    wanted = set(argv)
-    status = 0
+    write = "--no-write" not in argv
+    wanted = {a for a in argv if not a.startswith("--")}
+    sections, status = [], 0
     for script in sorted(HERE.glob("bench_*.py")):
         name = script.stem[len("bench_"):]
         if wanted and name not in wanted:
             continue
         print(f"== {script.name}", flush=True)
-        status |= subprocess.call([sys.executable, str(script)])
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+        took = time.perf_counter() - t0
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode:
+            status = 1
+            print(proc.stderr[-2000:], file=sys.stderr)
+        doc = (script.read_text().split('"""')[1].strip().splitlines() or [""])[0]
+        sections.append(f"## {script.name}\n\n{doc}\n\n```\n{proc.stdout.rstrip()}\n```\n\n"
+                        f"(`python benchmarks/{script.name}`, {took:.0f} s{', FAILED' if proc.returncode else ''})\n")
+    if write and sections:
+        OUT.parent.mkdir(exist_ok=True)
+        OUT.write_text("# Benchmarks\n\nWritten by `make bench` (`python benchmarks/run.py`). Every speed is a ratio "
+                       "against the native equivalent measured in the same process.\n\n" + "\n".join(machine())
+                       + "\n\n" + "\n".join(sections))
+        print(f"written to {OUT}")
     return status
 
 

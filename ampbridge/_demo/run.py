@@ -1,30 +1,188 @@
-"""``ampbridge demo``: the example policy, resolved and planned.
+"""``ampbridge demo [POLICY]``: one policy, trained in every installed framework, side by side.
 
-Until the framework backends land, the demo shows what the core alone can: the policy
-resolved with its defaults (``ampbridge show``) and its Plan for the demo model's layers
-(``ampbridge explain --layers``).
+It trains the demo model (``ampbridge._demo``) with the policy (the shipped ``examples/amp.toml``
+by default) in torch, Keras and Flax, with one injected overflow step, and prints the Plan (one
+table when the three agree), the loss-scale trajectory, the skipped steps, the final loss and the
+step time against the framework's own AMP. ``--plot FILE.png`` draws loss and loss scale per
+framework. With no framework installed it shows the policy resolved and its Plan for the demo
+model's layers.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import statistics
+import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 from .. import _io
-from .._plan import build_plan, layers_from_data
+from .._plan import Plan, build_plan, layers_from_data
+from .._table import render_table
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+_NEEDS = {"torch": ("torch",), "keras": ("keras",), "jax": ("jax", "flax", "optax", "jmp")}
+
+
+def installed_frameworks() -> list[str]:
+    return [fw for fw, mods in _NEEDS.items() if all(importlib.util.find_spec(m) for m in mods)]
+
+
+class _Bar:
+    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total = label, total
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, i: int) -> None:
+        done = i + 1
+        if self.tty or done == self.total:
+            width = 30
+            filled = width * done // self.total
+            end = "\n" if done == self.total else ""
+            sys.stderr.write(f"\r  {self.label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}{end}")
+            sys.stderr.flush()
+
+
+def _median_ms(seconds: list[float]) -> float:
+    warm = seconds[3:] or seconds
+    return 1000 * statistics.median(warm)
+
+
+def _trajectory_table(runs: dict[str, Any], steps: int) -> str:
+    """The steps where anything happens (first, skips, scale changes, last), framework by framework."""
+    names = list(runs)
+    interesting = {0, steps - 1}
+    for r in runs.values():
+        for i in range(steps):
+            if r.skipped[i] or (i and r.scales[i] != r.scales[i - 1]):
+                interesting.add(i)
+    rows = []
+    for i in sorted(interesting):
+        cells = [str(i)]
+        for n in names:
+            r = runs[n]
+            cells.append(f"{r.scales[i]:g}" + (" skipped" if r.skipped[i] else ""))
+        rows.append(tuple(cells))
+    return render_table(("step", *[f"scale ({n})" for n in names]), rows)
+
+
+def _side_by_side(plans: dict[str, Plan]) -> str:
+    names = list(plans)
+    first = plans[names[0]]
+    if all(not first.differences(plans[n]) for n in names[1:]):
+        return f"Plan (identical in {', '.join(names)}):\n" + first.table()
+    paths = list(dict.fromkeys(r.path for p in plans.values() for r in p.rows))
+    rows = []
+    for path in paths:
+        cells = [path or "(root)"]
+        for n in names:
+            r = plans[n][path] if path in plans[n] else None
+            cells.append(f"{r.compute_dtype}/{r.param_dtype}/{r.output_dtype}" if r else "-")
+        rows.append(tuple(cells))
+    return ("Plans differ (compute/param/output per framework; see `ampbridge explain` for the notes):\n"
+            + render_table(("layer", *names), rows))
+
+
+def plot_runs(runs: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError("--plot needs matplotlib. Install with: pip install 'ampbridge[plot]'") from None
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    # the curves coincide when the frameworks agree: distinct styles keep each one visible
+    styles = [("-", 4.0), ("--", 2.5), (":", 2.0)]
+    for (name, r), (style, width) in zip(runs.items(), styles):
+        top.plot(range(len(r.losses)), r.losses, label=name, linestyle=style, linewidth=width)
+        bottom.plot(range(len(r.scales)), r.scales, label=name, drawstyle="steps-post", linestyle=style,
+                    linewidth=width)
+        for i, s in enumerate(r.skipped):
+            if s:
+                bottom.axvline(i, color="red", alpha=0.25, linewidth=1)
+    top.set_ylabel("training loss")
+    top.set_title("ampbridge demo: one policy in " + ", ".join(runs) + " (gap: the skipped step)")
+    top.legend()
+    bottom.set_yscale("log", base=2)
+    bottom.set_ylabel("loss scale (red: skipped step)")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .._cli import _defaults_notes
+    from .._cli import UsageError, _defaults_notes
 
     path = Path(args.policy) if args.policy else EXAMPLES / "amp.toml"
     policy, origins = _io.load_with_origins(path)
-    print(f"== ampbridge show {path.name}")
+    available = installed_frameworks()
+    if args.frameworks:
+        wanted = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+        unknown = [f for f in wanted if f not in _NEEDS and f != "none"]
+        if unknown:
+            raise UsageError(f"--frameworks: unknown {', '.join(unknown)}; accepted: {', '.join(_NEEDS)} or none")
+        missing = [f for f in wanted if f in _NEEDS and f not in available]
+        if missing:
+            raise UsageError(f"--frameworks: not installed here: {', '.join(missing)} "
+                             f"(pip install 'ampbridge[{missing[0]}]')")
+        frameworks = [f for f in wanted if f in _NEEDS]
+    else:
+        frameworks = available
+    if args.steps < 4:
+        raise UsageError("--steps must be at least 4")
+    print(f"== policy {path.name}")
     print(_io.render(_io.policy_to_dict(policy), "toml", _defaults_notes(policy, origins, str(path))))
-    layers = layers_from_data(json.loads((EXAMPLES / "layers.json").read_text()), "layers.json")
-    print(f"== ampbridge explain {path.name} --layers layers.json")
-    print(build_plan(layers, policy, warn=False).table())
+    if not frameworks:
+        layers = layers_from_data(json.loads((EXAMPLES / "layers.json").read_text()), "layers.json")
+        print("== no framework installed: the Plan for the demo model's layers (pip install 'ampbridge[all]' to train)")
+        print(build_plan(layers, policy, warn=False).table())
+        return 0
+
+    from .runners import RUNNERS
+
+    inject = (args.steps // 3,)
+    print(f"== training {args.steps} steps in {', '.join(frameworks)}; step {inject[0]} gets an injected overflow "
+          f"(its loss times inf)", flush=True)
+    runs, native = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fw in frameworks:
+            runs[fw] = RUNNERS[fw](policy, args.steps, inject, progress=_Bar(f"{fw} (ampbridge)", args.steps))
+            native[fw] = RUNNERS[fw](policy, args.steps, inject, native=True,
+                                     progress=_Bar(f"{fw} (native AMP)", args.steps))
+            again = RUNNERS[fw](policy, args.steps, inject, progress=_Bar(f"{fw} (ampbridge, again)", args.steps))
+            runs[fw].step_seconds += again.step_seconds
+
+    print()
+    print(_side_by_side({fw: r.plan for fw, r in runs.items()}))
+    print()
+    print("== loss scale (the steps where something happens)")
+    print(_trajectory_table(runs, args.steps))
+    print()
+    rows = []
+    for fw in frameworks:
+        r, n = runs[fw], native[fw]
+        ab, nat = _median_ms(r.step_seconds), _median_ms(n.step_seconds)
+        rows.append((fw, f"{r.final_loss:.5f}", ", ".join(str(i) for i, s in enumerate(r.skipped) if s) or "none",
+                     f"{r.final_state.scale:g}" if r.final_state else "-", f"{ab:.2f}", f"{nat:.2f}", f"{ab / nat:.2f}"))
+    print(render_table(("framework", "final loss", "skipped", "final scale", "step ms", "native ms", "ratio"), rows))
+    losses = [runs[fw].final_loss for fw in frameworks]
+    if len(losses) > 1:
+        spread = (max(losses) - min(losses)) / abs(min(losses))
+        print(f"final losses agree to {spread:.1e} relative across {', '.join(frameworks)}")
+    print("native: each framework's own AMP at the policy's compute dtype, without ampbridge's pins; "
+          "step times are medians on this machine (benchmarks/ measures the ratio properly)")
+    if args.plot:
+        plot_runs(runs, args.plot)
+        print(f"plot written to {args.plot}")
     return 0

@@ -55,8 +55,8 @@ def test_ampbridge_kind_wins_on_classes_and_instances():
 
 def test_paths_counts_and_the_root(tiny):
     layers = abt.layers(tiny)
-    assert [layer.path for layer in layers][:3] == ["embed", "ln1", "attn"]
-    assert "" not in {layer.path for layer in layers}
+    assert [layer.path for layer in layers][:4] == ["", "embed", "ln1", "attn"]
+    assert (layers[0].kind, layers[0].class_name, layers[0].param_count) == (None, "Tiny", 0)
     assert dict((la.path, la.param_count) for la in layers)["attn"] == 16 * 48 + 48  # in_proj only: out_proj is its own row
     assert sum(la.param_count for la in layers) == sum(p.numel() for p in tiny.parameters())
     single = abt.layers(nn.Linear(3, 2))
@@ -176,8 +176,10 @@ def test_cuda_plans_say_where_autocast_overrides_the_row(tiny):
 def test_scripted_models_are_planned_by_their_original_classes():
     scripted = torch.jit.script(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
     plan = abt.plan(scripted, Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",)))
-    assert [(r.path, r.kind, r.class_name, r.compute_dtype) for r in plan.rows] == [
-        ("0", "linear", "Linear", "bfloat16"), ("1", "norm", "LayerNorm", "float32")]
+    assert [(r.path, r.kind, r.class_name, r.compute_dtype, r.output_dtype) for r in plan.rows] == [
+        ("", None, "Sequential", "bfloat16", "float32"), ("0", "linear", "Linear", "bfloat16", "bfloat16"),
+        ("1", "norm", "LayerNorm", "float32", "float32")]
+    assert plan[""].note == "model outputs cast to output_dtype float32"
     assert any("TorchScript" in n for n in plan.notes)
 
 

@@ -133,6 +133,12 @@ def test_invalid_policy_exits_1_without_traceback(tmp_path):
     assert "x.yaml:1: loss_scale.mode" in proc.stderr
 
 
-def test_demo_runs_on_the_shipped_example(capsys):
+def test_demo_without_frameworks_shows_the_policy_and_its_plan(capsys):
     code, out, _ = run(capsys, "demo", "--frameworks", "none")
-    assert code == 0 and "ampbridge show amp.toml" in out and "block.norm1" in out
+    assert code == 0 and "== policy amp.toml" in out and "growth_interval = 10" in out
+    assert "block.norm1" in out and "keep_float32[0] kind:norm" in out
+
+
+def test_demo_bad_usage(capsys):
+    assert run(capsys, "demo", "--frameworks", "tensorflowx")[0] == 2
+    assert run(capsys, "demo", "--steps", "2", "--frameworks", "none")[0] == 2

@@ -188,3 +188,12 @@ def test_rule_index_agrees_with_the_definition():
             assert index.winner(lay) == _naive_winner(policy.rules, lay)
 
     check()
+
+
+def test_rows_inherited_from_the_root_say_so():
+    layers = [Layer("", None, "Model"), Layer("a", "linear", "Linear", 4)]
+    pl = plan(Policy(overrides=(Rule("**", compute_dtype="bfloat16"),)), layers)
+    assert pl["a"].rule == "override[0]" and pl["a"].pattern == "**"
+    # "**" matches "a" directly; a root-only rule is inherited
+    pl = plan(Policy(overrides=(Rule("type:Model", compute_dtype="bfloat16"),)), layers)
+    assert pl["a"].inherited_from == "" and pl["a"].decided_by == "override[0] type:Model (via the model)"

@@ -1,0 +1,315 @@
+"""Train the demo model under a policy in one framework; the demo, the conformance suite and the
+benchmarks all use these runners, so what the demo prints is what the tests check.
+
+Each runner trains ``steps`` SGD steps on the shared batches, from the shared initial weights,
+multiplying the loss by ``inf`` at the steps in ``inject`` (so their gradients are non-finite
+whatever the dtype), and returns a :class:`Run`: the plan, per-step losses (NaN at injected
+steps), the loss scale each step used, which steps were skipped, the final loss-scale state.
+``native=True`` runs the framework's own AMP instead (no ampbridge; used for timing ratios):
+torch ``autocast`` + ``GradScaler``, Keras's global mixed policy + ``LossScaleOptimizer``, jmp's
+policy + ``DynamicLossScale`` in JAX, each with the policy's compute dtype and no pins.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._loss_scale import LossScaleState
+from .._plan import Plan
+from .._policy import Policy
+from .model import CONFIG, batches
+
+FRAMEWORKS = ("torch", "keras", "jax")
+Progress = Callable[[int], None]
+
+
+@dataclass
+class Run:
+    framework: str
+    plan: Plan | None
+    losses: list[float] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)  # the scale each step used (before its update)
+    skipped: list[bool] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    final_state: LossScaleState | None = None
+    phases: list[int | None] = field(default_factory=list)  # the phase in force at each step
+
+    @property
+    def final_loss(self) -> float:
+        return next((x for x in reversed(self.losses) if math.isfinite(x)), float("nan"))
+
+
+def _tick(progress: Progress | None, i: int) -> None:
+    if progress is not None:
+        progress(i)
+
+
+# --- torch -----------------------------------------------------------------------------------------
+
+def run_torch(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
+              progress: Progress | None = None) -> Run:
+    import torch
+
+    import ampbridge.torch as abt
+
+    from . import torch_model as tm
+
+    inject = set(inject)
+    model = tm.build(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    run = Run("torch", None)
+    if native:
+        cfg = policy.resolved_loss_scale
+        dtype = getattr(torch, policy.compute_dtype)
+        scaler = torch.amp.GradScaler("cpu", init_scale=cfg.initial_scale, growth_factor=cfg.growth_factor,
+                                      backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval,
+                                      enabled=cfg.mode == "dynamic")
+    else:
+        amp = abt.apply(model, policy)
+        run.plan = amp.plan
+    for i, (x, y) in enumerate(batches(steps)):
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        t0 = time.perf_counter()
+        if native:
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(xt)
+            loss = tm.loss_fn(logits, yt)
+            used = scaler.get_scale() if scaler.is_enabled() else 1.0
+            scaler.scale(loss * math.inf if i in inject else loss).backward()
+            before = scaler.get_scale() if scaler.is_enabled() else 1.0
+            scaler.step(opt)
+            scaler.update()
+            applied = not scaler.is_enabled() or scaler.get_scale() >= before
+        else:
+            run.phases.append(amp.phase if policy.phases else None)
+            used = amp.scaler.loss_scale_state().scale
+            logits = amp.model(xt)
+            loss = tm.loss_fn(logits, yt)
+            applied = bool(amp.step(loss * math.inf if i in inject else loss, opt))
+        opt.zero_grad(set_to_none=True)
+        run.step_seconds.append(time.perf_counter() - t0)
+        run.losses.append(math.nan if i in inject else float(loss))
+        run.scales.append(float(used))
+        run.skipped.append(not applied)
+        _tick(progress, i)
+    if not native:
+        run.final_state = amp.scaler.loss_scale_state()
+        run.plan = amp.plan if not policy.phases else run.plan
+    return run
+
+
+# --- Keras ------------------------------------------------------------------------------------------
+
+def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
+              progress: Progress | None = None) -> Run:
+    import keras
+    import numpy as np
+
+    import ampbridge.keras as ak
+
+    from . import keras_model as km
+
+    inject = set(inject)
+    run = Run("keras", None)
+    data = batches(steps)
+    if native:
+        previous = keras.config.dtype_policy()
+        name = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}.get(policy.compute_dtype, "float32")
+        keras.config.set_dtype_policy(name)
+        try:
+            model = km.build(seed)
+        finally:
+            keras.config.set_dtype_policy(previous)
+        cfg = policy.resolved_loss_scale
+        opt: Any = keras.optimizers.SGD(CONFIG.lr)
+        if cfg.mode == "dynamic":
+            opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=cfg.initial_scale,
+                                                      dynamic_growth_steps=cfg.growth_interval)
+    else:
+        model = ak.apply(km.build(seed), policy.at(step=0, epoch=0) if policy.phases else policy)
+        opt = ak.optimizer(keras.optimizers.SGD(CONFIG.lr), policy)
+        run.plan = ak.plan(model, policy.at(step=0, epoch=0) if policy.phases else policy, warn=False)
+    model.compile(optimizer=opt, loss=km.loss_fn)
+
+    def scale_now() -> float:
+        if native:
+            return float(keras.ops.convert_to_numpy(opt.dynamic_scale)) if hasattr(opt, "dynamic_scale") and opt.built else (
+                float(getattr(opt, "initial_scale", 1.0)))
+        return opt.state.scale
+
+    if policy.phases and not native:
+        # a schedule runs through fit, whose PhaseCallback switches phases at step boundaries
+        x = np.concatenate([b[0] for b in data])
+        y = np.concatenate([b[1] for b in data])
+        w = np.ones(x.shape, np.float32)  # per token, like the loss
+        for i in inject:
+            w[i * CONFIG.batch:(i + 1) * CONFIG.batch] = np.inf
+        phase_cb = ak.PhaseCallback(policy)
+
+        class Record(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+                run.phases.append(phase_cb.phase)
+                run.scales.append(scale_now())
+                self.skipped_before = opt.state.skipped
+                self.t0 = time.perf_counter()
+
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                run.step_seconds.append(time.perf_counter() - self.t0)
+                run.skipped.append(opt.state.skipped > self.skipped_before)
+                run.losses.append(math.nan)  # fit reports running means, not per-step losses
+                _tick(progress, batch)
+
+        model.fit(x, y, sample_weight=w, batch_size=CONFIG.batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[phase_cb, Record()])
+        run.final_state = opt.state
+        return run
+
+    for i, (x, y) in enumerate(data):
+        w = np.full(x.shape, np.inf if i in inject else 1.0, np.float32)  # per token, like the loss
+        used = scale_now()
+        skipped_before = None if native else opt.state.skipped
+        t0 = time.perf_counter()
+        logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
+        run.step_seconds.append(time.perf_counter() - t0)
+        run.losses.append(math.nan if i in inject else float(logs["loss"]))
+        run.scales.append(used)
+        if native:
+            run.skipped.append(scale_now() < used)
+        else:
+            run.skipped.append(opt.state.skipped > skipped_before)
+        _tick(progress, i)
+    if not native:
+        run.final_state = opt.state
+    return run
+
+
+# --- JAX ----------------------------------------------------------------------------------------------
+
+def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
+            progress: Progress | None = None) -> Run:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import ampbridge.jax as abj
+
+    from . import flax_model as fm
+
+    inject = set(inject)
+    module, variables = fm.build(seed)
+    run = Run("jax", None)
+    data = batches(steps)
+    x0 = jnp.asarray(data[0][0])
+    if native:
+        return _run_jmp(policy, module, variables, data, inject, run, progress)
+
+    def train_step(amp: Any, tx: Any, params: Any, opt_state: Any, x: Any, y: Any, mult: Any) -> Any:
+        def loss_fn(p: Any) -> Any:
+            loss = fm.loss_fn(amp.apply({"params": p}, x), y)
+            return abj.scale_loss(loss * mult, opt_state), loss
+
+        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+        updates, new_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state, loss
+
+    if policy.phases:
+        schedule = abj.Schedule(module, policy, optax.sgd(CONFIG.lr), train_step)
+        params, opt_state = schedule.init(jax.random.key(0), x0)
+        params = abj.apply(module, policy.at(step=0, epoch=0)).cast_params(variables, x0)["params"]
+        run.plan = abj.plan(module, policy.at(step=0, epoch=0), x0, warn=False)
+        for i, (x, y) in enumerate(data):
+            run.phases.append(policy.phase_index(step=i))
+            params, opt_state = schedule.enter(params, opt_state, step=i)
+            used = float(abj.loss_scale(opt_state).scale)
+            skipped_before = int(abj.loss_scale(opt_state).skipped)
+            t0 = time.perf_counter()
+            params, opt_state, loss = schedule.step_fn(step=i)(
+                params, opt_state, jnp.asarray(x), jnp.asarray(y), jnp.float32(math.inf if i in inject else 1.0))
+            loss = float(loss)
+            run.step_seconds.append(time.perf_counter() - t0)
+            run.losses.append(math.nan if i in inject else loss)
+            run.scales.append(used)
+            run.skipped.append(int(abj.loss_scale(opt_state).skipped) > skipped_before)
+            _tick(progress, i)
+        s = abj.loss_scale(opt_state)
+        run.final_state = LossScaleState(float(s.scale), int(s.good_steps), int(s.hysteresis_left), int(s.steps),
+                                         int(s.skipped))
+        return run
+
+    amp = abj.apply(module, policy)
+    params = amp.cast_params(variables, x0)["params"]
+    tx = abj.optimizer(optax.sgd(CONFIG.lr), policy)
+    opt_state = tx.init(params)
+    step = jax.jit(lambda p, s, x, y, m: train_step(amp, tx, p, s, x, y, m))
+    run.plan = abj.plan(module, policy, x0, warn=False)
+    for i, (x, y) in enumerate(data):
+        before = abj.loss_scale(opt_state)
+        used, skipped_before = float(before.scale), int(before.skipped)
+        t0 = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(x), jnp.asarray(y),
+                                       jnp.float32(math.inf if i in inject else 1.0))
+        loss = float(loss)
+        run.step_seconds.append(time.perf_counter() - t0)
+        run.losses.append(math.nan if i in inject else loss)
+        run.scales.append(used)
+        run.skipped.append(int(abj.loss_scale(opt_state).skipped) > skipped_before)
+        _tick(progress, i)
+    s = abj.loss_scale(opt_state)
+    run.final_state = LossScaleState(float(s.scale), int(s.good_steps), int(s.hysteresis_left), int(s.steps),
+                                     int(s.skipped))
+    return run
+
+
+def _run_jmp(policy: Policy, module: Any, variables: Any, data: list, inject: set, run: Run,
+             progress: Progress | None) -> Run:
+    import jax
+    import jax.numpy as jnp
+    import jmp
+    import optax
+
+    from . import flax_model as fm
+
+    compute = policy.compute_dtype
+    jpol = jmp.get_policy(f"params=float32,compute={compute},output=float32")
+    cfg = policy.resolved_loss_scale
+    scale = (jmp.DynamicLossScale(jnp.float32(cfg.initial_scale), period=cfg.growth_interval,
+                                  factor=int(cfg.growth_factor)) if cfg.mode == "dynamic" else jmp.NoOpLossScale())
+    tx = optax.sgd(CONFIG.lr)
+    params = variables["params"]
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, scale: Any, x: Any, y: Any, mult: Any) -> Any:
+        def loss_fn(p: Any) -> Any:
+            logits = module.apply({"params": jpol.cast_to_compute(p)}, jpol.cast_to_compute(x))
+            loss = fm.loss_fn(jpol.cast_to_output(logits), y)
+            return scale.scale(loss * mult), loss
+
+        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+        grads = scale.unscale(jpol.cast_to_param(grads))
+        finite = jmp.all_finite(grads)
+        new_scale = scale.adjust(finite)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = jmp.select_tree(finite, optax.apply_updates(params, updates), params)
+        new_opt = jmp.select_tree(finite, new_opt, opt_state)
+        return new_params, new_opt, new_scale, loss, finite
+
+    for i, (x, y) in enumerate(data):
+        used = float(getattr(scale, "loss_scale", 1.0))
+        t0 = time.perf_counter()
+        params, opt_state, scale, loss, finite = step(params, opt_state, scale, jnp.asarray(x), jnp.asarray(y),
+                                                      jnp.float32(math.inf if i in inject else 1.0))
+        loss = float(loss)
+        run.step_seconds.append(time.perf_counter() - t0)
+        run.losses.append(math.nan if i in inject else loss)
+        run.scales.append(used)
+        run.skipped.append(not bool(finite))
+        _tick(progress, i)
+    return run
+
+
+RUNNERS = {"torch": run_torch, "keras": run_keras, "jax": run_jax}
