@@ -1606,7 +1606,7 @@ class Monitor:
                                         compute_dtype=policy.compute_dtype, layers=self.layers,
                                         policy=policy_to_dict(policy),
                                         min_scale=self.optimizer.loss_scale_config.min_scale,
-                                        extra={"every": self.every})
+                                        extra={"every": self.every, "attribution": self.attribution})
 
     def _refresh(self, host_step: int | None = None) -> None:
         """(Re)build the probes and the optimizer's layout from the model's current Plan (also after
