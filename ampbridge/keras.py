@@ -1634,7 +1634,7 @@ class Monitor:
                 if wrapper is not None:
                     wrapper.probe = None
                     _drop_idle_wrapper(layer)
-        self._positions, self._next_step = None, None
+        self._positions = None
         previous = self.optimizer._monitor
         steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
         self.optimizer._attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
@@ -1717,6 +1717,8 @@ class Monitor:
         step = int(head_v[0]) * _SPLIT + int(head_v[1])
         scale, found_inf, skipped = float(head_v[2]), bool(head_v[3]), bool(head_v[4])
         param_first, sampled = int(head_v[5]), bool(head_v[6])
+        if expected is not None and step == expected - 1:
+            return None  # no optimizer step since the last record: already logged (or not to be)
         self._next_step = step + 1
         if sampled and not want_stats:  # record() was not called after every step: read them now
             stats_v = _fetch([stats])

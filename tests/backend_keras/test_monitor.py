@@ -442,3 +442,17 @@ def test_functional_jax_loop_records_returned_state(kx, tmp_path):
     monitor.close()
     assert [r["first_nonfinite"] for r in records] == [{"path": "boom", "where": "output"}] * 2
     assert [r["loss_scale"] for r in records] == [1.0, 0.5] and all(r["skipped"] for r in records)
+
+
+def test_record_twice_logs_once(kx, tmp_path):
+    """record() without an optimizer step in between logs nothing new."""
+    model = _chain(kx, [])
+    ak.apply(model, MIXED)
+    model.compile(ak.optimizer(keras.optimizers.SGD(1e-3), MIXED), "mse")
+    model.fit(np.ones((4, 4), "float32"), np.zeros((4, 1), "float32"), verbose=0)
+    with ak.Monitor(tmp_path / "run.jsonl", model) as monitor:
+        model.fit(np.ones((4, 4), "float32"), np.zeros((4, 1), "float32"), verbose=0)
+        first = monitor.record()
+        assert first["step"] == 1 and sorted(first["layers"]) == ["a", "head"]
+        assert monitor.record() is None
+    assert [s["step"] for s in read_log(tmp_path / "run.jsonl").steps] == [1]
