@@ -11,6 +11,12 @@ Works the same on Keras's TensorFlow, JAX and torch backends; it imports ``keras
 * :func:`optimizer` wraps a Keras optimizer in :class:`LossScaleOptimizer`, a subclass of
   Keras's own that runs ampbridge's reference loss-scale algorithm in ``keras.ops``.
 * :class:`PhaseCallback` switches phases of a precision schedule during ``fit``.
+* :class:`MonitorCallback` (``fit``) and :class:`Monitor` (custom loops) write the numerics log
+  ``ampbridge report`` reads: per-layer gradient statistics and which layer overflowed first.
+
+All of them apply the environment's bisect switch (``AMPBRIDGE_DISABLE=1``,
+``AMPBRIDGE_POLICY=...``) and resolve ``compute_dtype = "auto"`` for the backend's
+:func:`device` (:func:`resolve_policy`).
 
 Example:
     >>> import keras, ampbridge
@@ -46,8 +52,11 @@ __all__ = [
     "LossScaleCallback",
     "LossScaleOptimizer",
     "MixedDTypePolicy",
+    "Monitor",
+    "MonitorCallback",
     "PhaseCallback",
     "apply",
+    "device",
     "dtype_policy",
     "kind_of",
     "layers",
@@ -55,6 +64,7 @@ __all__ = [
     "optimizer",
     "owns",
     "plan",
+    "resolve_policy",
     "scope",
     "set_matmul_precision",
 ]
@@ -75,6 +85,88 @@ def _as_policy(policy: Policy | str) -> Policy:
         return preset(policy) if policy in PRESETS else load(policy)
     raise TypeError(f"expected an ampbridge.Policy, a preset name or a policy file path; "
                     f"received {policy!r} (of type {type(policy).__name__})")
+
+
+# --- the policy that actually runs: environment switch, "auto" ----------------------------------
+
+def device() -> Any:
+    """The device the active Keras backend computes on, as the core's ``ampbridge._hardware.Device``
+    (what ``compute_dtype = "auto"`` is decided on).
+
+    TensorFlow: its first GPU (name and compute capability from ``tf.config``), else a TPU, else
+    the CPU; JAX: ``jax.devices()[0]``; torch: the CUDA device Keras uses, else the CPU. CPU
+    flags come from ``/proc/cpuinfo`` (``_hardware.cpu_flags()``).
+
+    Example:
+        >>> device().platform in ("cpu", "cuda", "tpu", "mps", "rocm")
+        True
+    """
+    from . import _hardware
+    from ._hardware import Device
+
+    backend = _backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            details = tf.config.experimental.get_device_details(gpus[0]) or {}
+            capability = details.get("compute_capability")
+            return Device("cuda", str(details.get("device_name", gpus[0].name)),
+                          tuple(int(c) for c in capability) if capability else None)
+        if tf.config.list_physical_devices("TPU"):
+            return Device("tpu")
+    elif backend == "jax":
+        import jax
+
+        dev = jax.devices()[0]
+        platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
+        if platform != "cpu":
+            capability = None
+            cc = getattr(dev, "compute_capability", None)
+            if cc:
+                try:
+                    capability = tuple(int(c) for c in str(cc).split(".")[:2])
+                except ValueError:
+                    capability = None
+            return Device(platform, str(getattr(dev, "device_kind", "")), capability)  # type: ignore[arg-type]
+    elif backend == "torch":
+        import torch
+
+        where = str(keras.src.backend.torch.core.get_device())
+        if where.startswith("cuda") and torch.cuda.is_available():
+            index = torch.cuda.current_device()
+            return Device("cuda", torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index)))
+        if where.startswith("mps"):
+            return Device("mps")
+    return Device("cpu", cpu_flags=_hardware.cpu_flags())
+
+
+def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, tuple[str, ...]]:
+    """The policy :func:`apply`, :func:`scope`, :func:`optimizer` and :func:`plan` use, and why it
+    differs from the one given (the Plan keeps these notes).
+
+    ``AMPBRIDGE_DISABLE=1`` swaps in the ``float32`` preset and ``AMPBRIDGE_POLICY=NAME_OR_FILE``
+    another policy (``ampbridge._env``; each says so once per process); ``compute_dtype = "auto"``
+    becomes the :func:`device`'s choice (``ampbridge._hardware.resolve_auto``).
+
+    Example:
+        >>> import ampbridge
+        >>> resolve_policy(ampbridge.preset("mixed_bfloat16"))[0].compute_dtype
+        'bfloat16'
+    """
+    from ._env import effective_policy
+    from ._hardware import resolve_auto
+
+    given = _as_policy(policy)
+    notes: list[str] = []
+    policy = effective_policy(given, f"keras ({_backend()})", warn=warn)
+    if policy is not given:
+        notes.append("the environment (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY) replaced the policy given")
+    policy, why = resolve_auto(policy, device(), warn=warn)
+    if why:
+        notes.append(why)
+    return policy, tuple(notes)
 
 
 # --- dtype policies ---------------------------------------------------------------------------
@@ -275,10 +367,10 @@ def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
         >>> plan(m, ampbridge.preset("mixed_bfloat16"))["head"].compute_dtype
         'bfloat16'
     """
-    policy = _as_policy(policy)
+    policy, notes = resolve_policy(policy, warn=warn)
     described, by_path = _describe(model)
     return build_plan(described, policy, framework=f"keras ({_backend()})",
-                      adjust=_adjuster(_phase0(policy), by_path), warn=warn)
+                      adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
 
 
 def _phase0(policy: Policy) -> Policy:
@@ -292,7 +384,7 @@ def owns(obj: Any) -> bool:
 
 # --- apply ------------------------------------------------------------------------------------
 
-_CAST_MARK = "_ampbridge_output_dtype"
+_WRAPPER = "_ampbridge_call"  # the layer's ampbridge call wrapper, kept in its __dict__
 
 
 def _is_float(x: Any) -> bool:
@@ -305,28 +397,62 @@ def _is_float(x: Any) -> bool:
         return False
 
 
-def _set_output_cast(layer: Any, dtype: str | None) -> None:
-    """Cast the layer's float outputs to ``dtype`` (None: remove an ampbridge cast)."""
-    current = layer.__dict__.get("call")
-    if current is not None and hasattr(current, _CAST_MARK):
-        if getattr(current, _CAST_MARK) == dtype:
-            return
-        inner = current.__wrapped__
-        if getattr(inner, "__func__", None) is type(layer).call:
-            del layer.__dict__["call"]  # back to the class's own call
-        else:
-            object.__setattr__(layer, "call", inner)
-    if dtype is None:
-        return
+def _call_wrapper(layer: Any) -> Any:
+    """The one ``call`` wrapper ampbridge puts on a layer instance (made on first use).
+
+    It carries two settings read at every call (so at every trace): ``cast``, the dtype the
+    layer's float outputs are cast to (or None), and ``probe``, the monitor's hooks on the
+    layer's inputs and outputs (or None). An instance attribute: ``Layer.__call__`` runs
+    ``self.call`` on every backend and inside jit, and JAX's ``stateless_call`` runs the model's.
+    """
+    wrapper = layer.__dict__.get(_WRAPPER)
+    if wrapper is not None:
+        return wrapper
     inner = layer.call
 
     @functools.wraps(inner)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return keras.tree.map_structure(lambda t: _cast_float(t, dtype), inner(*args, **kwargs))
+        probe = call.probe
+        if probe is not None:
+            args, kwargs = probe.before(args, kwargs)
+        out = inner(*args, **kwargs)
+        if call.cast is not None:
+            out = keras.tree.map_structure(lambda t: _cast_float(t, call.cast), out)
+        if probe is not None:
+            probe.after(out)
+        return out
 
-    setattr(call, _CAST_MARK, dtype)
-    # an instance attribute: Layer.__call__ runs self.call, on every backend and inside jit
+    call.cast = None  # type: ignore[attr-defined]
+    call.probe = None  # type: ignore[attr-defined]
+    object.__setattr__(layer, _WRAPPER, call)
     object.__setattr__(layer, "call", call)
+    return call
+
+
+def _drop_idle_wrapper(layer: Any) -> None:
+    """Remove the wrapper once it has nothing to do (unless someone wrapped ``call`` over it)."""
+    wrapper = layer.__dict__.get(_WRAPPER)
+    if wrapper is None or wrapper.cast is not None or wrapper.probe is not None:
+        return
+    del layer.__dict__[_WRAPPER]
+    if layer.__dict__.get("call") is not wrapper:
+        return  # wrapped again from outside: stays in the chain, idle
+    inner = wrapper.__wrapped__
+    if getattr(inner, "__func__", None) is type(layer).call:
+        del layer.__dict__["call"]  # back to the class's own call
+    else:
+        object.__setattr__(layer, "call", inner)
+
+
+def _set_output_cast(layer: Any, dtype: str | None) -> None:
+    """Cast the layer's float outputs to ``dtype`` (None: no ampbridge cast)."""
+    if dtype is None:
+        wrapper = layer.__dict__.get(_WRAPPER)
+        if wrapper is not None:
+            wrapper.cast = None
+            _drop_idle_wrapper(layer)
+        return
+    _call_wrapper(layer).cast = dtype
 
 
 def _cast_float(t: Any, dtype: str) -> Any:
@@ -381,7 +507,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         >>> m.get_layer("head").dtype_policy.name, keras.backend.standardize_dtype(m(keras.ops.ones((1, 2))).dtype)
         ('mixed_float16', 'float32')
     """
-    policy = _as_policy(policy)
+    policy, _ = resolve_policy(policy, warn=warn)
     active = _phase0(policy)
     set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
     described, by_path = _describe(model)
@@ -419,11 +545,14 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
             _rebuild_hook(layer, model, policy)
     if recast and _backend() == "torch":
         _refresh_torch_params(model)
-    _refresh_compiled(model)
     try:
         object.__setattr__(model, "_ampbridge_policy", policy)
     except AttributeError:  # pragma: no cover - exotic layer classes
         pass
+    monitor = model.__dict__.get("_ampbridge_monitor")
+    if monitor is not None:
+        monitor._refresh()  # the rows' compute dtypes decide the underflow/overflow thresholds
+    _refresh_compiled(model)
     return model
 
 
@@ -513,7 +642,7 @@ def scope(policy: Policy | str) -> Iterator[Policy]:
         >>> dense.dtype_policy.name, norm.dtype_policy.name, keras.config.dtype_policy().name
         ('mixed_float16', 'float32', 'float32')
     """
-    policy = _phase0(_as_policy(policy))
+    policy = _phase0(resolve_policy(policy)[0])
     previous = keras.config.dtype_policy()
     layer_class = keras.layers.Layer
     original_init = layer_class.__dict__["__init__"]
@@ -602,6 +731,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.host_checked = False
         self._overflows_seen = 0
         self._jitted_apply = None
+        self._monitor: _MonitorSpec | None = None  # set by ampbridge.keras.Monitor
+        self._monitor_variables: list[Any] = []
+        self._monitor_cache: tuple[tuple[int, ...], Any] | None = None
 
     # --- configuration ---
 
@@ -643,6 +775,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     aggregation="none", name=attr))
 
         extra()
+        if self._monitor is not None:
+            self._build_monitor_variables()
 
     @property
     def _state_variables(self) -> list[Any]:
@@ -774,14 +908,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._assign_own(self._next_state(self._own_values(), ops.convert_to_tensor(True)))
 
     def _common_apply(self, grads: Any, trainable_variables: Any = None) -> None:
-        finite = self.check_finite(grads)
+        flags = self._finite_flags(grads) if self._monitor is not None else None
+        finite = self.check_finite(grads) if flags is None else _all(flags)
         self._guard_traced(finite)
         own = self._own_values()
+        if flags is not None:
+            variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+            head, stats = self.monitor_head, self.monitor_stats
+            new_head, new_stats = self._monitor_values(grads, variables, own, finite, flags, stats.value)
         if self._config.skip_nonfinite:
             ops.cond(finite, lambda: self._apply_inner(grads, trainable_variables, own[1]), lambda: None)
         else:
             self._apply_inner(grads, trainable_variables, own[1])
         self._assign_own(self._next_state(own, ops.logical_not(finite)))
+        if flags is not None:
+            head.assign(new_head)
+            stats.assign(new_stats)
         if self._needs_host_check() and _concrete(finite):
             self.check_min_scale()
 
@@ -818,10 +960,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         n = len(self._variables)
         own, inner = list(optimizer_variables[:n]), list(optimizer_variables[n:])
         where = [next(i for i, v in enumerate(self._variables) if v is s) for s in self._state_variables]
-        finite = self.check_finite(grads)
+        flags = self._finite_flags(grads) if self._monitor is not None else None
+        finite = self.check_finite(grads) if flags is None else _all(flags)
         if not _host_checks_after:
             self._guard_traced(finite)
         scale = own[where[1]]
+        if flags is not None:
+            at = [next(i for i, v in enumerate(self._variables) if v is m) for m in self._monitor_variables]
+            own[at[0]], own[at[1]] = self._monitor_values(grads, self._trainable_variables, [own[i] for i in where],
+                                                          finite, flags, own[at[1]])
 
         def step() -> Any:
             new_weights, new_inner = self.inner_optimizer.stateless_apply(
@@ -835,6 +982,105 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         for i, x in zip(where, self._next_state([own[i] for i in where], ops.logical_not(finite))):
             own[i] = x
         return new_weights, own + list(new_inner)
+
+    # --- the numerics monitor (see Monitor): statistics of the scaled gradients, in keras.ops ---
+
+    def _build_monitor_variables(self) -> None:
+        from keras.src.utils import tracking
+
+        spec = self._monitor
+        assert spec is not None
+
+        @tracking.no_automatic_dependency_tracking
+        def make() -> None:
+            self.monitor_head = self.add_variable(shape=(_HEAD_SIZE,), dtype="float32", aggregation="none",
+                                                  initializer="zeros", name="ampbridge_monitor_head")
+            self.monitor_stats = self.add_variable(shape=(max(1, len(spec.stats)), _ROW_SIZE), dtype="float32",
+                                                   aggregation="none", initializer="zeros",
+                                                   name="ampbridge_monitor_stats")
+            self._monitor_variables = [self.monitor_head, self.monitor_stats]
+
+        make()
+
+    def _attach_monitor(self, spec: "_MonitorSpec | None") -> None:
+        """Start (a spec) or stop (None) computing the monitor's record in every step."""
+        if self._monitor_variables and (spec is None or self._monitor is None
+                                        or len(spec.stats) != len(self._monitor.stats)):
+            for v in self._monitor_variables:  # by identity: Variable.__eq__ compares values
+                del self._variables[next(i for i, x in enumerate(self._variables) if x is v)]
+            self._monitor_variables = []
+        self._monitor = spec
+        self._monitor_cache = None
+        self._jitted_apply = None  # the monitor is baked into the compiled step
+        if spec is not None and self.built and not self._monitor_variables:
+            self._build_monitor_variables()
+
+    def _saved_variables(self) -> list[Any]:
+        # the monitor's record is scratch space: checkpoints look the same with or without it
+        return [v for v in self.variables if not any(v is m for m in self._monitor_variables)]
+
+    def save_own_variables(self, store: Any) -> None:
+        for i, variable in enumerate(self._saved_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        variables = self._saved_variables()
+        if len(store.keys()) != len(variables):
+            warnings.warn(f"Skipping variable loading for optimizer '{self.name}', because it has "
+                          f"{len(variables)} variables whereas the saved optimizer has {len(store.keys())} "
+                          "variables.", stacklevel=2)
+            return
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
+
+    def _finite_flags(self, grads: list[Any]) -> list[Any]:
+        return [ops.all(ops.isfinite(g)) if g is not None else None for g in grads]
+
+    def _monitor_layout(self, variables: list[Any]) -> Any:
+        """Per layer the positions of its gradients in ``grads``; per position its leaf index."""
+        key = tuple(id(v) for v in variables)
+        if self._monitor_cache is not None and self._monitor_cache[0] == key:
+            return self._monitor_cache[1]
+        spec = self._monitor
+        assert spec is not None
+        position = {vid: i for i, vid in enumerate(key)}
+        stats = [(compute, tuple(position[v] for v in ids if v in position)) for _, compute, ids in spec.stats]
+        leaves = [(position[v], leaf) for v, leaf in spec.leaf_of.items() if v in position]
+        layout = (stats, leaves)
+        self._monitor_cache = (key, layout)
+        return layout
+
+    def _monitor_values(self, grads: list[Any], variables: list[Any], own: list[Any], finite: Any,
+                        flags: list[Any], old_stats: Any) -> tuple[Any, Any]:
+        """This step's record: the head (step, scale used, found_inf, skipped, the last leaf in
+        forward order whose own gradients are non-finite, sampled) and, on sampled steps, the
+        per-layer statistics (else the previous ones, untouched)."""
+        spec = self._monitor
+        assert spec is not None
+        stats_layout, leaves = self._monitor_layout(variables)
+        scale, steps = ops.cast(own[1], "float32"), own[3]
+        found_inf = ops.logical_not(finite)
+        skipped = found_inf if self._config.skip_nonfinite else ops.zeros_like(found_inf)
+        candidates = [ops.where(flags[pos], -1.0, float(leaf)) for pos, leaf in leaves if flags[pos] is not None]
+        param_first = ops.max(ops.stack(candidates)) if candidates else ops.convert_to_tensor(-1.0)
+        if _backend() == "torch":  # eager: decide on the host, no sync for ops.cond's predicate
+            sampled: Any = spec.host_step % spec.every == 0
+            spec.host_step += 1
+        else:
+            sampled = ops.equal(ops.mod(steps, spec.every), 0)
+
+        def compute() -> Any:
+            rows = [_grad_stats([grads[p] for p in positions if grads[p] is not None], scale, compute_dtype,
+                                sizes=[int(np.prod(variables[p].shape)) for p in positions if grads[p] is not None])
+                    for compute_dtype, positions in stats_layout]
+            return ops.stack(rows) if rows else ops.zeros_like(old_stats)
+
+        new_stats = (compute() if sampled else old_stats) if isinstance(sampled, bool) else ops.cond(
+            sampled, compute, lambda: old_stats)
+        step_hi, step_lo = _split_count(steps)
+        head = ops.stack([step_hi, step_lo, scale, ops.cast(found_inf, "float32"), ops.cast(skipped, "float32"),
+                          ops.cast(param_first, "float32"), ops.cast(sampled, "float32")])
+        return head, new_stats
 
     # --- serialisation ---
 
@@ -871,7 +1117,7 @@ def optimizer(inner: Any, policy: Policy | str) -> LossScaleOptimizer:
         >>> opt.loss_scale_config.mode, opt.initial_scale
         ('dynamic', 65536.0)
     """
-    policy = _as_policy(policy)
+    policy, _ = resolve_policy(policy)
     active = _phase0(policy)
     inner = keras.optimizers.get(inner)
     if isinstance(inner, keras.optimizers.LossScaleOptimizer):
@@ -915,6 +1161,13 @@ def load_model(filepath: Any, policy: Policy | str | None = None, **kwargs: Any)
 
 # --- callbacks --------------------------------------------------------------------------------
 
+def _model_of(callback: Any) -> Any:
+    """The callback's model, without the JAX state sync that ``Callback.model`` performs on every
+    access (it puts the traced state back into the variables, and the next step re-gathers it:
+    callbacks that run every step read ``model._jax_state`` instead)."""
+    return callback._model if _backend() == "jax" else callback.model
+
+
 class LossScaleCallback(keras.callbacks.Callback):
     """Enforces ``on_min_scale = "warn" | "error"`` during a compiled ``fit``.
 
@@ -924,7 +1177,7 @@ class LossScaleCallback(keras.callbacks.Callback):
     """
 
     def _optimizer(self) -> LossScaleOptimizer | None:
-        opt = getattr(self.model, "optimizer", None)
+        opt = getattr(_model_of(self), "optimizer", None)
         return opt if isinstance(opt, LossScaleOptimizer) else None
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -936,7 +1189,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         opt = self._optimizer()
         if opt is None or not opt._needs_host_check() or not opt.built:
             return
-        jax_state = getattr(self.model, "_jax_state", None)
+        jax_state = getattr(_model_of(self), "_jax_state", None)
         if jax_state:
             index = next(i for i, v in enumerate(opt.variables) if v is opt.min_scale_overflows)
             opt.check_min_scale(jax_state["optimizer_variables"][index])
@@ -963,7 +1216,7 @@ class PhaseCallback(LossScaleCallback):
 
     def __init__(self, policy: Policy | str):
         super().__init__()
-        self.policy = _as_policy(policy)
+        self.policy = resolve_policy(policy)[0]  # the environment's switch and "auto" included
         self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
         self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
         self._step = 0
@@ -1013,3 +1266,554 @@ class PhaseCallback(LossScaleCallback):
             reset = index is not None and self.policy.phases[index].reset_loss_scale and not first
             opt.set_loss_scale_config(active.resolved_loss_scale, reset=reset)
         _refresh_compiled(self.model)  # again: the loss-scale settings are baked in too
+
+
+# --- the numerics monitor -----------------------------------------------------------------------
+#
+# Where each number comes from (the same on TensorFlow, JAX and torch):
+# * per-layer gradient statistics, found_inf, the scale used: the LossScaleOptimizer, which sees
+#   the scaled gradients in `apply` / `stateless_apply`, computes them in keras.ops inside the
+#   train step and keeps them in two optimizer variables (left out of checkpoints);
+# * the forward flags (the first leaf layer whose output went non-finite, in execution order),
+#   the backward flags (TensorFlow and torch: the first leaf, in backward execution order, whose
+#   input gradient went non-finite) and the step's loss: scalar variables that Keras threads
+#   through every backend's train step as non-weight layer state (the slot JAX's stateless
+#   calls give seed-generator states), written by ampbridge's `call` wrapper on each leaf and
+#   by a wrapper on `model.compute_loss`.
+# The host reads all of it once per step, as one array (one transfer).
+
+_HEAD_SIZE = 7  # step (hi, lo), scale used, found_inf, skipped, last leaf with non-finite own grads, sampled
+_ROW_SIZE = 12  # max|g|, rms(g) (scaled, finite values), then (hi, lo) counts: zero, nonfinite, underflow,
+#                 overflow, elements
+_SLOT_NAMES = ("forward", "backward", "loss", "loss_seen")  # the model-side values, in record order
+_SPLIT = 4096  # counts travel as float32 pairs (hi * 4096 + lo): exact up to 2**36
+
+
+def _all(flags: list[Any]) -> Any:
+    present = [f for f in flags if f is not None]
+    return ops.all(ops.stack(present)) if present else ops.convert_to_tensor(True)
+
+
+def _split_count(count: Any) -> tuple[Any, Any]:
+    count = ops.cast(count, "int32")
+    hi = ops.floor_divide(count, _SPLIT)
+    return ops.cast(hi, "float32"), ops.cast(ops.subtract(count, ops.multiply(hi, _SPLIT)), "float32")
+
+
+def _dense(g: Any) -> Any:
+    if _backend() == "tensorflow":
+        import tensorflow as tf
+
+        if isinstance(g, tf.IndexedSlices):  # embedding gradients
+            return tf.convert_to_tensor(g)
+    return g
+
+
+def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[int] | None = None) -> Any:
+    """One layer's row of statistics of its scaled gradients (``_runlog.layer_stats``'s definitions).
+
+    Max and RMS are of the finite scaled values (the host divides by the scale, in float64, as
+    the reference does); the RMS is taken relative to (about) the max, so it neither overflows
+    nor underflows in float32. "Below the smallest subnormal once unscaled" is tested as
+    ``|g| * 2**k < (subnormal * 2**k) * scale``, exact in float32 (powers of two) where the
+    bfloat16 and float32 subnormals themselves would be flushed to zero.
+    """
+    import math
+
+    from ._dtypes import formats
+
+    if not grads:
+        return ops.zeros((_ROW_SIZE,), "float32")
+    fmt = formats()[compute_dtype]
+    k = max(0, -60 - int(math.log2(fmt.smallest_subnormal)))
+    lift, threshold = np.float32(2.0 ** k), ops.multiply(np.float32(fmt.smallest_subnormal * 2.0 ** k), scale)
+    top = np.float32(fmt.max)
+    flat = [ops.reshape(ops.cast(_dense(g), "float32"), (-1,)) for g in grads]
+    absolute = [ops.abs(g) for g in flat]
+    finite = [ops.isfinite(g) for g in flat]
+    largest = ops.max(ops.stack([ops.max(ops.where(f, a, 0.0)) for a, f in zip(absolute, finite)]))
+    # XLA turns a division by a scalar into a multiplication by its reciprocal, which must stay a
+    # normal float32 (CPUs flush subnormals): the unit is the max, kept within 2**+-100 (the squares
+    # of a / unit then stay below 2**56)
+    unit = ops.clip(largest, np.float32(2.0 ** -100), np.float32(2.0 ** 100))
+
+    def total(parts: list[Any]) -> Any:
+        return ops.sum(ops.stack(parts))
+
+    def count(masks: list[Any]) -> Any:
+        return total([ops.sum(ops.cast(m, "int32")) for m in masks])
+
+    n_finite = count(finite)
+    squares = total([ops.sum(ops.where(f, ops.square(ops.divide(a, unit)), 0.0)) for a, f in zip(absolute, finite)])
+    rms = ops.multiply(unit, ops.sqrt(ops.divide(squares, ops.cast(ops.maximum(n_finite, 1), "float32"))))
+    # the variables' sizes: a densified IndexedSlices has no static shape
+    size = sum(sizes) if sizes is not None else sum(int(np.prod(g.shape)) for g in flat)
+    zero = count([ops.equal(g, 0.0) for g in flat])
+    under = count([ops.logical_and(ops.logical_and(f, ops.not_equal(g, 0.0)),
+                                   ops.less(ops.multiply(a, lift), threshold))
+                   for g, a, f in zip(flat, absolute, finite)])
+    over = count([ops.logical_and(f, ops.greater(a, top)) for a, f in zip(absolute, finite)])
+    parts = [largest, rms]
+    for c in (zero, ops.subtract(size, n_finite), under, over, size):
+        parts.extend(_split_count(c))
+    return ops.stack([ops.cast(p, "float32") for p in parts])
+
+
+def _fetch(parts: list[Any]) -> np.ndarray:
+    """Tensors (and variables' values) to one flat float64 host array, in one transfer."""
+    backend = _backend()
+    if backend == "jax":
+        import jax
+
+        host = jax.device_get([p.value if isinstance(p, keras.Variable) else p for p in parts])
+        return np.concatenate([np.asarray(h, np.float64).ravel() for h in host])
+    if backend == "torch":
+        import torch
+
+        flat = torch.cat([ops.convert_to_tensor(p).detach().reshape(-1).float() for p in parts])
+        return flat.cpu().numpy().astype(np.float64)
+    return _host(ops.concatenate([ops.reshape(ops.cast(p, "float32"), (-1,)) for p in parts])).astype(np.float64)
+
+
+class _MonitorSpec:
+    """What the optimizer needs to compute the record: per stats layer (path, compute dtype,
+    ids of its trainable variables), per variable of a leaf layer its index in the log's layer
+    list, the sampling period, and (torch, eager) the host's step counter."""
+
+    def __init__(self, every: int, stats: list[tuple[str, str, tuple[int, ...]]], leaf_of: dict[int, int],
+                 host_step: int):
+        self.every, self.stats, self.leaf_of, self.host_step = every, stats, leaf_of, host_step
+
+
+class _Slot:
+    """A float32 scalar that Keras carries through every backend's train step without it being a
+    weight: kept in the model's seed-generator list, which ``Layer.variables`` (so JAX's
+    stateless state) includes and ``weights``, ``get_weights`` and saving leave out."""
+
+    def __init__(self, name: str, value: float):
+        self.state = keras.Variable(np.float32(value), dtype="float32", trainable=False, autocast=False,
+                                    aggregation="none", name=name)
+
+
+def _live(tensors: list[Any]) -> bool:
+    """Whether these are values of a real (possibly traced) step, not symbolic shapes."""
+    for t in tensors:
+        if keras.backend.is_keras_tensor(t) or getattr(getattr(t, "device", None), "type", None) == "meta":
+            return False
+        if type(t).__name__ == "ShapeDtypeStruct":
+            return False
+    return True
+
+
+def _mark_first(slot: _Slot, bad: Any, index: int) -> None:
+    """``slot = index`` if ``bad`` and nothing is marked yet (on the device, no sync)."""
+    current = slot.state.value
+    if _backend() == "torch":  # eager: one in-place op instead of a chain of Keras dispatches
+        import torch
+
+        with torch.no_grad():
+            current.masked_fill_(torch.logical_and(current < 0, bad), float(index))
+        return
+    slot.state.assign(ops.where(ops.logical_and(ops.less(current, 0.0), bad), np.float32(index), current))
+
+
+def _any_nonfinite(tensors: list[Any]) -> Any:
+    if _backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            finite = torch.isfinite(tensors[0]).all()
+            for t in tensors[1:]:
+                finite = finite & torch.isfinite(t).all()
+            return ~finite
+    return ops.logical_not(ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors])))
+
+
+def _input_probe(t: Any, slot: _Slot, index: int) -> Any:
+    """Identity on ``t`` whose backward marks ``index`` in ``slot`` when the gradient reaching
+    ``t`` (this layer's input gradient) is non-finite and nothing was marked before it."""
+    backend = _backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def identity(x: Any) -> Any:
+            def grad(upstream: Any) -> Any:
+                _mark_first(slot, _any_nonfinite([upstream]), index)
+                return upstream
+
+            return tf.identity(x), grad
+
+        return identity(t)
+    if backend == "torch" and t.requires_grad:
+        import torch
+
+        t = t.view_as(t)  # this layer's use of the input only
+
+        def hook(g: Any) -> None:
+            _mark_first(slot, _any_nonfinite([g]), index)
+
+        t.register_hook(hook)
+    return t
+
+
+class _LeafProbe:
+    """A leaf layer's hooks: mark the first non-finite output (forward) and input gradient."""
+
+    def __init__(self, monitor: "Monitor", index: int):
+        self.monitor, self.index = monitor, index
+
+    def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _backend() == "jax":  # JAX's backward cannot write state: parameter gradients decide there
+            return args, kwargs
+        floats = [t for t in keras.tree.flatten((args, kwargs)) if _is_float(t)]
+        if not floats or not _live(floats):
+            return args, kwargs
+        slot = self.monitor._slots["backward"]
+        return keras.tree.map_structure(lambda t: _input_probe(t, slot, self.index) if _is_float(t) else t,
+                                        (args, kwargs))
+
+    def after(self, out: Any) -> None:
+        floats = [t for t in keras.tree.flatten(out) if _is_float(t)]
+        if not floats or not _live(floats):
+            return
+        _mark_first(self.monitor._slots["forward"], _any_nonfinite(floats), self.index)
+
+
+class _RootProbe:
+    """The model's hook: a new forward pass starts with nothing marked and no loss seen."""
+
+    def __init__(self, monitor: "Monitor"):
+        self.monitor = monitor
+
+    def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        tensors = [t for t in keras.tree.flatten((args, kwargs)) if hasattr(t, "shape")]
+        if tensors and _live(tensors):
+            for name, value in (("forward", -1.0), ("backward", -1.0), ("loss_seen", 0.0)):
+                self.monitor._slots[name].state.assign(np.float32(value))
+        return args, kwargs
+
+    def after(self, out: Any) -> None:
+        pass
+
+
+class Monitor:
+    """The numerics log of a Keras model trained with ampbridge's :class:`LossScaleOptimizer`.
+
+    Writes the shared JSON Lines log (``ampbridge._runlog``; read it with ``ampbridge report``):
+    a header, then a record for every ``every``-th optimizer step (step 0 included) with each
+    layer's gradient statistics, and a record for every step whose gradients were non-finite,
+    with ``first_nonfinite`` naming where it started. ``fit`` users pass a
+    :class:`MonitorCallback`; a custom loop makes a ``Monitor`` once the model is built (and
+    before tracing its train step) and calls :meth:`record` after each optimizer step.
+
+    How it is computed, on every Keras backend: the optimizer sees the scaled gradients and
+    computes the statistics in ``keras.ops`` inside the train step (only on sampled steps); an
+    ampbridge ``call`` wrapper on each leaf layer marks the first non-finite output in execution
+    order, and on TensorFlow and torch the first non-finite input gradient in backward order
+    (on JAX the backward pass cannot write state, so the gradient attribution there is the last
+    leaf, in forward order, whose own parameter gradients are non-finite); the step's loss comes
+    from a wrapper on ``model.compute_loss`` or from :meth:`record`. The host reads it all as
+    one array per step (one transfer, one sync: the step's ``found_inf`` decides whether the
+    step is logged). ``attribution=False`` drops the per-step forward/backward flags.
+
+    Example (a custom loop on any backend; ``fit`` passes ``callbacks=[MonitorCallback(path)]``):
+        >>> import os, tempfile, keras, numpy as np, ampbridge
+        >>> policy = ampbridge.preset("mixed_float16").replace(loss_scale=ampbridge.LossScaleConfig(initial_scale=1024))
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="dense")])
+        >>> model = ampbridge.keras.apply(model, policy)
+        >>> model.compile(ampbridge.keras.optimizer(keras.optimizers.SGD(), policy), "mse")
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with Monitor(path, model, every=10) as monitor:
+        ...     _ = model.fit(np.ones((4, 3)), np.zeros((4, 2)), verbose=0)  # or your own loop
+        ...     record = monitor.record()
+        >>> record["step"], sorted(record["layers"]), record["layers"]["dense"]["zero"]
+        (0, ['dense'], 0.0)
+    """
+
+    def __init__(self, path: Any, model: Any, optimizer: Any = None, *, every: int = 1, attribution: bool = True):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Monitor: every must be a positive integer (log every N-th step); received "
+                             f"every={every!r}")
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"Monitor: expected a Keras model; received {type(model).__qualname__}")
+        optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if not isinstance(optimizer, LossScaleOptimizer):
+            raise UnsupportedOptionError(
+                "Monitor needs the model's optimizer to be ampbridge's LossScaleOptimizer (it sees the scaled "
+                "gradients): compile with ampbridge.keras.optimizer(inner, policy), or pass optimizer=; received "
+                f"{type(optimizer).__name__}")
+        if not model.built:
+            raise ValueError("Monitor: build the model first (call it on data, or fit/compile with an Input), "
+                             "so every layer it will run exists")
+        if int(getattr(model, "steps_per_execution", 1) or 1) > 1:
+            raise UnsupportedOptionError(
+                f"Monitor: steps_per_execution={model.steps_per_execution} runs several steps between callbacks, "
+                "so non-finite steps could not all be logged; compile with steps_per_execution=1")
+        if _replicas() > 1:
+            raise UnsupportedOptionError("Monitor: a distributed (multi-replica) run is not supported")
+        self.path, self.model, self.optimizer = path, model, optimizer
+        self.every, self.attribution = every, bool(attribution)
+        self.layers: list[str] = []
+        self._slots: dict[str, _Slot] = {}
+        self._writer: Any = None
+        self._attached = False
+        self._positions: tuple[list[int], list[int]] | None = None
+        self._next_step: int | None = None
+        self.attach()
+
+    # --- attaching to the model and optimizer ---
+
+    def _policy(self) -> Policy:
+        policy = getattr(self.model, "_ampbridge_policy", None) or self.optimizer.policy
+        if policy is None:
+            from ._io import preset
+
+            policy = preset("float32")
+        return _phase0(policy)
+
+    def attach(self) -> None:
+        """Start monitoring (the constructor does; again after :meth:`detach`). Re-traces the
+        model's compiled functions."""
+        if self._attached:
+            return
+        if not self._slots:
+            self._slots = {name: _Slot(f"ampbridge_monitor_{name}", value)
+                           for name, value in zip(_SLOT_NAMES, (-1.0, -1.0, np.nan, 0.0))}
+        self.model._seed_generators.extend(self._slots.values())
+        if hasattr(self.model, "compute_loss") and "compute_loss" not in self.model.__dict__:
+            inner = self.model.compute_loss
+
+            @functools.wraps(inner)
+            def compute_loss(*args: Any, **kwargs: Any) -> Any:
+                loss = inner(*args, **kwargs)
+                if loss is not None and _live([loss]):
+                    self._slots["loss"].state.assign(ops.cast(ops.reshape(loss, ()), "float32"))
+                    self._slots["loss_seen"].state.assign(np.float32(1.0))
+                return loss
+
+            object.__setattr__(self.model, "compute_loss", compute_loss)
+        object.__setattr__(self.model, "_ampbridge_monitor", self)
+        self._attached = True
+        host_step = self.optimizer.state.steps if self.optimizer.built else 0
+        self._refresh(host_step=host_step)
+        if self._writer is None:
+            from ._io import policy_to_dict
+            from ._runlog import RunLogWriter
+
+            policy = self._policy()
+            self._writer = RunLogWriter(self.path, framework=f"keras ({_backend()})",
+                                        compute_dtype=policy.compute_dtype, layers=self.layers,
+                                        policy=policy_to_dict(policy),
+                                        min_scale=self.optimizer.loss_scale_config.min_scale,
+                                        extra={"every": self.every, "attribution": self.attribution})
+
+    def _refresh(self, host_step: int | None = None) -> None:
+        """(Re)build the probes and the optimizer's layout from the model's current Plan (also after
+        :func:`apply` changes the policy, e.g. at a phase boundary)."""
+        rows = plan(self.model, self._policy(), warn=False)
+        by_path = dict(layers(self.model))
+        self.layers = [row.path for row in rows if row.path]
+        index = {path: i for i, path in enumerate(self.layers)}
+        stats, leaf_of = [], {}
+        for row in rows:
+            layer = by_path[row.path]
+            leaf = row.path != "" and not _children(layer)
+            own = [v for v in layer._trainable_variables if v.trainable]
+            if own:
+                stats.append((row.path, row.compute_dtype, tuple(id(v) for v in own)))
+            if leaf:
+                leaf_of.update({id(v): index[row.path] for v in own})
+            probe: Any = _LeafProbe(self, index[row.path]) if leaf and self.attribution else None
+            if row.path == "":
+                probe = _RootProbe(self)
+            if probe is not None:
+                _call_wrapper(layer).probe = probe
+            else:
+                wrapper = layer.__dict__.get(_WRAPPER)
+                if wrapper is not None:
+                    wrapper.probe = None
+                    _drop_idle_wrapper(layer)
+        self._positions = None
+        previous = self.optimizer._monitor
+        steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
+        self.optimizer._attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
+        _refresh_compiled(self.model)
+
+    def detach(self) -> None:
+        """Stop monitoring: the model and optimizer run as before (the log stays open)."""
+        if not self._attached:
+            return
+        if getattr(self.model, "_jax_state", None) and not getattr(self.model, "_jax_state_synced", True):
+            self.model.jax_state_sync()  # the traced state holds the slots: put it back first
+        for _, layer in layers(self.model):
+            wrapper = layer.__dict__.get(_WRAPPER)
+            if wrapper is not None and isinstance(wrapper.probe, (_LeafProbe, _RootProbe)):
+                wrapper.probe = None
+                _drop_idle_wrapper(layer)
+        for slot in self._slots.values():
+            self.model._seed_generators.remove(slot)
+        if "compute_loss" in self.model.__dict__:
+            del self.model.__dict__["compute_loss"]
+        self.model.__dict__.pop("_ampbridge_monitor", None)
+        self.optimizer._attach_monitor(None)
+        _refresh_compiled(self.model)
+        self._attached = False
+
+    def close(self) -> None:
+        """Detach and close the log."""
+        self.detach()
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reading a step ---
+
+    def _record_tensors(self, non_trainable_variables: Any, optimizer_variables: Any) -> tuple[Any, Any, list]:
+        if self._positions is None:  # found once per attach: walking the model every step costs
+            opt_index = {id(v): i for i, v in enumerate(self.optimizer.variables)}
+            model_index = {id(v): i for i, v in enumerate(self.model.non_trainable_variables)}
+            self._positions = ([opt_index[id(v)] for v in self.optimizer._monitor_variables],
+                               [model_index[id(self._slots[n].state)] for n in _SLOT_NAMES])
+        opt_at, slot_at = self._positions
+        if optimizer_variables is not None:
+            head, stats = (optimizer_variables[i] for i in opt_at)
+        else:
+            head, stats = (v.value for v in self.optimizer._monitor_variables)
+        if non_trainable_variables is not None:
+            slots = [non_trainable_variables[i] for i in slot_at]
+        else:
+            slots = [self._slots[n].state.value for n in _SLOT_NAMES]
+        return head, stats, slots
+
+    def record(self, loss: Any = None, *, non_trainable_variables: Any = None,
+               optimizer_variables: Any = None) -> dict[str, Any] | None:
+        """Read the last optimizer step's record (one transfer) and log it if it is sampled or
+        non-finite; returns what was logged (a dict as in the log), or None.
+
+        ``loss``: the step's unscaled loss, where it did not go through ``model.compute_loss``
+        (a custom loop). ``non_trainable_variables`` / ``optimizer_variables``: the value lists
+        a functional JAX step returned (``stateless_call`` / ``stateless_apply``), when they are
+        not assigned back to the variables before this call.
+        """
+        if not self._attached:
+            raise ValueError("Monitor.record: the monitor is detached; call attach() first")
+        if not self.optimizer._monitor_variables:
+            raise ValueError("Monitor.record: no optimizer step has run yet (the optimizer is not built)")
+        head, stats, slots = self._record_tensors(non_trainable_variables, optimizer_variables)
+        # the step is the one after the last recorded (checked below): the statistics travel only
+        # on sampled steps, with the rest, as one array
+        expected = self._next_step
+        want_stats = expected is None or expected % self.every == 0
+        parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
+        values = _fetch(parts)
+        head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
+        forward, backward, slot_loss, loss_seen = rest[:4]
+        step = int(head_v[0]) * _SPLIT + int(head_v[1])
+        scale, found_inf, skipped = float(head_v[2]), bool(head_v[3]), bool(head_v[4])
+        param_first, sampled = int(head_v[5]), bool(head_v[6])
+        if expected is not None and step == expected - 1:
+            return None  # no optimizer step since the last record: already logged (or not to be)
+        self._next_step = step + 1
+        if sampled and not want_stats:  # record() was not called after every step: read them now
+            stats_v = _fetch([stats])
+        else:
+            stats_v = rest[5 if loss is not None else 4:]
+        if loss is not None:
+            step_loss: float | None = float(rest[4])
+        else:
+            step_loss = float(slot_loss) if loss_seen else None
+        if not (sampled or found_inf):
+            return None
+        stats_by_layer = {}
+        if sampled:
+            spec = self.optimizer._monitor
+            rows = stats_v.reshape(-1, _ROW_SIZE)
+            for (path, _, _), row in zip(spec.stats, rows):
+                counts = [int(row[i]) * _SPLIT + int(row[i + 1]) for i in range(2, _ROW_SIZE, 2)]
+                zero, nonfinite, under, over, size = counts
+                if size == 0:
+                    continue  # no gradients reached this layer's variables
+                finite = size - nonfinite
+                stats_by_layer[path] = {
+                    "grad_max_abs": float(row[0]) / scale if finite else float("nan"),
+                    "grad_rms": float(row[1]) / scale if finite else float("nan"),
+                    "zero": zero / size, "nonfinite": nonfinite / size,
+                    "underflow": under / size, "overflow": over / size}
+        first = None
+        if found_inf and self.attribution:
+            loss_bad = step_loss is not None and not np.isfinite(step_loss)
+            if forward >= 0:
+                first = {"path": self.layers[int(forward)], "where": "output"}
+            elif loss_bad:
+                first = {"path": "", "where": "loss"}
+            elif backward >= 0:
+                first = {"path": self.layers[int(backward)], "where": "gradient"}
+            elif param_first >= 0:
+                first = {"path": self.layers[param_first], "where": "gradient"}
+            else:
+                first = {"path": "", "where": "loss"}
+        logged_loss = step_loss if step_loss is not None and np.isfinite(step_loss) else None
+        self._writer.step(step, loss=logged_loss, loss_scale=scale, found_inf=found_inf, skipped=skipped,
+                          layers=stats_by_layer, first_nonfinite=first)
+        return {"step": step, "loss": logged_loss, "loss_scale": scale, "found_inf": found_inf,
+                "skipped": skipped, "first_nonfinite": first, "layers": stats_by_layer}
+
+
+class MonitorCallback(keras.callbacks.Callback):
+    """Writes the numerics log (see :class:`Monitor`) during ``fit``.
+
+    ``every``: per-layer statistics on every N-th optimizer step (step 0 included); steps whose
+    gradients were non-finite are always logged. One callback writes one log: the model stays
+    monitored after ``fit`` returns, so fitting again with the same callback appends to the log
+    (step numbers continue) without re-tracing the train step; :meth:`close` detaches the
+    monitor (the next ``fit`` re-traces without it) and closes the log.
+
+    Example:
+        >>> import os, tempfile, keras, numpy as np, ampbridge
+        >>> policy = ampbridge.preset("mixed_float16").replace(loss_scale=ampbridge.LossScaleConfig(initial_scale=1024))
+        >>> model = ampbridge.keras.apply(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), policy)
+        >>> model.compile(ampbridge.keras.optimizer(keras.optimizers.SGD(), policy), "mse")
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> x, y = np.ones((8, 3)), np.zeros((8, 2))
+        >>> sample_weight = np.array([1, 1, np.inf, 1, 1, 1, 1, 1])  # step 1 goes non-finite
+        >>> _ = model.fit(x, y, sample_weight=sample_weight, batch_size=2, shuffle=False, verbose=0,
+        ...               callbacks=[MonitorCallback(path, every=2)])
+        >>> from ampbridge._runlog import read_log
+        >>> [(s["step"], s["skipped"], bool(s["layers"])) for s in read_log(path).steps]
+        [(0, False, True), (1, True, False), (2, False, True)]
+    """
+
+    def __init__(self, path: Any, every: int = 1, *, attribution: bool = True):
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"MonitorCallback: every must be a positive integer (log every N-th step); "
+                             f"received every={every!r}")
+        self.path, self.every, self.attribution = path, every, attribution
+        self.monitor: Monitor | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.monitor is None:
+            self.monitor = Monitor(self.path, self.model, every=self.every, attribution=self.attribution)
+        else:
+            self.monitor.attach()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.monitor is None:
+            return
+        state = getattr(_model_of(self), "_jax_state", None)
+        if state:
+            self.monitor.record(non_trainable_variables=state["non_trainable_variables"],
+                                optimizer_variables=state["optimizer_variables"])
+        else:
+            self.monitor.record()
+
+    def close(self) -> None:
+        """Detach the monitor from the model and close the log."""
+        if self.monitor is not None:
+            self.monitor.close()

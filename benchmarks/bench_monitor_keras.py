@@ -1,0 +1,164 @@
+"""What ampbridge's numerics monitor costs a Keras ``fit`` epoch: none vs every=1 vs every=100.
+
+Same process, same model (the small transformer of bench_keras.py under mixed_float16 with the
+norm and embedding pinned) and data; four copies with the same weights, each compiled once:
+no monitor, ``MonitorCallback(every=1)``, ``every=100``, and ``every=100`` with
+``attribution=False`` (what the per-step forward/backward flags cost). Epochs rotate between
+the copies, and each one's median epoch time is compared with the unmonitored copy's. Exact
+counts too: the ops of one traced train step (TensorFlow graph ops, JAX StableHLO ops) and the
+host transfers per step (one read of the record; the unmonitored fit reads none itself).
+
+Usage: python benchmarks/bench_monitor_keras.py [--backends tensorflow[,jax,torch]] [--rounds N]
+Each backend runs in its own process (Keras picks its backend at import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = (("none", None), ("every=1", dict(every=1)), ("every=100", dict(every=100)),
+           ("every=100, no attribution", dict(every=100, attribution=False)))
+
+
+def _model(keras, seq: int, dim: int, vocab: int):
+    L = keras.layers
+    tokens = keras.Input((seq,), dtype="int32")
+    x = L.Embedding(vocab, dim, name="embed")(tokens)
+    x = L.Dense(4 * dim, activation="relu", name="ffn_in")(x)
+    x = L.Dense(dim, name="ffn_out")(x)
+    x = L.LayerNormalization(name="norm")(x)
+    x = L.Add(name="residual")([x, L.MultiHeadAttention(4, dim // 4, dropout=0.1, seed=3, name="attn")(x, x)])
+    x = L.GlobalAveragePooling1D(name="pool")(x)
+    return keras.Model(tokens, L.Dense(8, name="head")(x))
+
+
+def run_one(backend: str, rounds: int, steps: int) -> dict:
+    os.environ["KERAS_BACKEND"] = backend
+    import numpy as np
+
+    try:
+        import torch  # noqa: F401  (before tensorflow, as the tests do)
+    except ImportError:
+        pass
+    import keras
+
+    import ampbridge
+    import ampbridge.keras as ak
+
+    seq, dim, vocab, batch = 32, 64, 512, 32
+    rng = np.random.RandomState(0)
+    x = rng.randint(0, vocab, (steps * batch, seq)).astype("int32")
+    y = rng.randint(0, 8, (steps * batch,)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    policy = ampbridge.preset("mixed_float16").replace(
+        keep_float32=("kind:norm", "kind:embedding"),
+        loss_scale=ampbridge.LossScaleConfig(initial_scale=2.0 ** 15, growth_interval=1000))
+    folder = tempfile.mkdtemp()
+    models, callbacks = {}, {}
+    weights = None
+    for name, kwargs in CONFIGS:
+        keras.utils.set_random_seed(0)
+        model = _model(keras, seq, dim, vocab)
+        if weights is None:
+            weights = model.get_weights()
+        model.set_weights(weights)
+        ak.apply(model, policy)
+        model.compile(ak.optimizer(keras.optimizers.Adam(1e-3), policy), loss)
+        models[name] = model
+        callbacks[name] = [] if kwargs is None else [ak.MonitorCallback(os.path.join(folder, f"{len(callbacks)}.jsonl"),
+                                                                        **kwargs)]
+
+    def epoch(name: str) -> float:
+        start = time.perf_counter()
+        models[name].fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks[name])
+        return time.perf_counter() - start
+
+    for name, _ in CONFIGS:
+        epoch(name)  # compile / warm up
+    times: dict[str, list[float]] = {name: [] for name, _ in CONFIGS}
+    names = [name for name, _ in CONFIGS]
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            times[name].append(epoch(name))
+    base = statistics.median(times["none"])
+    result = {"backend": backend, "steps": steps, "rounds": rounds, "configs": []}
+    for name in names:
+        median = statistics.median(times[name])
+        result["configs"].append({"name": name, "s": median, "ratio": median / base,
+                                  "min_ratio": min(times[name]) / min(times["none"]),
+                                  "per_step_ms": 1000 * (median - base) / steps})
+    counts = {}
+    if backend == "tensorflow":
+        counts = _tf_graph_ops(models, x[:batch], y[:batch])
+    elif backend == "jax":
+        counts = _hlo_ops(models, x[:batch], y[:batch])
+    for c in result["configs"]:
+        c["ops"] = counts.get(c["name"])
+    for cb in callbacks.values():
+        for c in cb:
+            c.close()
+    return result
+
+
+def _tf_graph_ops(models, x, y) -> dict:
+    """Ops in the traced TensorFlow train step, cond branches included."""
+    import tensorflow as tf
+
+    spec = (tf.TensorSpec(x.shape, tf.int32), tf.TensorSpec(y.shape, tf.int32))
+    out = {}
+    for name, model in models.items():
+        graph = tf.function(model.train_step).get_concrete_function(spec).graph.as_graph_def()
+        out[name] = len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
+    return out
+
+
+def _hlo_ops(models, x, y) -> dict:
+    import jax
+
+    out = {}
+    for name, model in models.items():
+        state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                     optimizer_variables=True, metrics_variables=True)
+        text = jax.jit(model.train_step).lower(state, (x, y)).as_text()
+        out[name] = sum("= stablehlo." in line or "stablehlo.return" in line for line in text.splitlines())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="tensorflow")
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(args.one, args.rounds, args.steps)))
+        return 0
+    for backend in args.backends.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--one", backend, "--rounds", str(args.rounds),
+                               "--steps", str(args.steps)], capture_output=True, text=True,
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        if proc.returncode != 0:
+            print(f"{backend}: failed\n{proc.stderr[-2000:]}")
+            return 1
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"Keras {r['backend']}: fit epoch of {r['steps']} steps, median of {r['rounds']} rotated rounds; "
+              "ratio = monitored / unmonitored")
+        print(f"  {'monitor':<27} {'epoch s':>8} {'ratio':>6} {'min ratio':>9} {'ms/step':>8} {'ops/step':>9}")
+        for c in r["configs"]:
+            ops = "" if c["ops"] is None else str(c["ops"])
+            print(f"  {c['name']:<27} {c['s']:>8.3f} {c['ratio']:>6.3f} {c['min_ratio']:>9.3f} "
+                  f"{c['per_step_ms']:>+8.2f} {ops:>9}")
+        print("  host transfers per step: 1 when monitored (the record, read after each step), 0 otherwise")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
