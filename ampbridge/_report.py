@@ -30,7 +30,8 @@ SKIP_WARN = 0.05
 class Summary:
     framework: str
     compute_dtype: str
-    steps: int
+    steps: int  # steps in the log (a sampling monitor logs every N-th step and every skipped one)
+    steps_run: int  # steps the run took (the last logged step + 1)
     skipped_steps: list[int]
     scale_min: float
     scale_max: float
@@ -65,6 +66,7 @@ def summarize(log: RunLog) -> Summary:
     losses = [s["loss"] for s in steps if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
     summary = Summary(
         framework=h.get("framework", "?"), compute_dtype=h.get("compute_dtype", "?"), steps=len(steps),
+        steps_run=max((s["step"] for s in steps), default=-1) + 1,
         skipped_steps=[s["step"] for s in steps if s["skipped"]], scale_min=min(scales), scale_max=max(scales),
         scale_final=scales[-1], min_scale=min_scale, steps_at_min_scale=at_min,
         overflow_origins=dict(origins.most_common()), worst_underflow=mean_underflow[:5],
@@ -76,11 +78,17 @@ def summarize(log: RunLog) -> Summary:
 def advise(s: Summary) -> list[str]:
     """Plain-words advice where the numbers call for it."""
     out = []
-    if s.steps and len(s.skipped_steps) / s.steps > SKIP_WARN:
-        out.append(f"{len(s.skipped_steps)} of {s.steps} steps were skipped ({100 * len(s.skipped_steps) / s.steps:.0f}%): "
+    run = max(s.steps_run, 1)
+    if s.steps_run and len(s.skipped_steps) / run > SKIP_WARN:
+        out.append(f"{len(s.skipped_steps)} of {s.steps_run} steps were skipped ({100 * len(s.skipped_steps) / run:.0f}%): "
                    "gradients overflow often" + (" - consider bfloat16, which has float32's range"
                                                  if s.compute_dtype == "float16" else ""))
     for path, count in list(s.overflow_origins.items())[:3]:
+        if path == "":
+            out.append(f"the loss itself was non-finite on {count} step(s) while every layer's outputs and "
+                       "gradients were finite: check the loss computation and its inputs (labels, weights), "
+                       "and compute it in float32 (output_dtype = \"float32\")")
+            continue
         out.append(f"{path} was the first layer to go non-finite on {count} step(s): pin it "
                    f'(keep_float32 = ["{path}"]) or check its inputs')
     if s.min_scale is not None and s.steps_at_min_scale:
@@ -95,7 +103,7 @@ def advise(s: Summary) -> list[str]:
 
 
 def format_summary(s: Summary) -> str:
-    lines = [f"run: {s.framework}, compute {s.compute_dtype}, {s.steps} monitored step(s)"]
+    lines = [f"run: {s.framework}, compute {s.compute_dtype}, {s.steps_run} step(s), {s.steps} in the log"]
     skipped = ", ".join(map(str, s.skipped_steps[:20])) + (" ..." if len(s.skipped_steps) > 20 else "")
     lines.append(f"skipped steps: {len(s.skipped_steps)}" + (f" ({skipped})" if s.skipped_steps else ""))
     lines.append(f"loss scale: min {s.scale_min:g}, max {s.scale_max:g}, final {s.scale_final:g}"
@@ -103,7 +111,8 @@ def format_summary(s: Summary) -> str:
     if s.final_loss is not None:
         lines.append(f"final loss: {s.final_loss:.6g}")
     if s.overflow_origins:
-        lines.append("first layer to go non-finite, by steps: " + ", ".join(f"{p} ({n})" for p, n in s.overflow_origins.items()))
+        lines.append("first layer to go non-finite, by steps: "
+                     + ", ".join(f"{p or '(the loss)'} ({n})" for p, n in s.overflow_origins.items()))
     if s.worst_underflow:
         lines.append("worst layers (mean fraction of gradients that would underflow unscaled):")
         lines.append(render_table(("layer", "underflow", "steps non-finite"),

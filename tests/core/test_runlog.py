@@ -101,3 +101,19 @@ def test_report_cli(tmp_path, capsys):
     assert main(["report", str(tmp_path / "none.jsonl")]) == 2
     (tmp_path / "bad.jsonl").write_text("{}\n")
     assert main(["report", str(tmp_path / "bad.jsonl")]) == 1
+
+
+def test_sampled_logs_count_skips_against_the_steps_run_and_a_loss_origin_gets_its_own_advice(tmp_path):
+    path = tmp_path / "sampled.jsonl"
+    with RunLogWriter(path, framework="jax", compute_dtype="float16", layers=["a"], min_scale=None) as log:
+        for step in (0, 100, 200, 250, 300):
+            skipped = step == 250
+            log.step(step, loss=1.0, loss_scale=2.0, found_inf=skipped, skipped=skipped,
+                     first_nonfinite={"path": "", "where": "loss"} if skipped else None)
+    s = summarize(read_log(path))
+    assert (s.steps, s.steps_run, s.skipped_steps) == (5, 301, [250])
+    assert not any("steps were skipped" in a for a in s.advice)  # 1 of 301, not 1 of 5
+    assert any(a.startswith("the loss itself was non-finite on 1 step(s)") for a in s.advice)
+    assert not any('keep_float32 = [""]' in a for a in s.advice)
+    assert "run: jax, compute float16, 301 step(s), 5 in the log" in format_summary(s)
+    assert "(the loss) (1)" in format_summary(s)
