@@ -1,0 +1,107 @@
+"""A DeepSpeed recipe, converted by ampbridge.recipes and run through the torch backend, follows
+DeepSpeed's own loss-scale trajectory (hysteresis and the raise at the minimum included)."""
+
+import math
+
+import pytest
+
+import ampbridge
+from ampbridge import recipes
+from ampbridge._testing import require
+
+torch = require("torch")
+import ampbridge.torch as abt  # noqa: E402
+
+# a ZeRO-2 fp16 recipe as DeepSpeed's docs write one, with a short window so growth shows
+RECIPE = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 4,
+             "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
+}
+
+
+class DeepSpeedDynamicLossScaler:
+    """deepspeed/runtime/fp16/loss_scaler.py DynamicLossScaler.update_scale in the release with the
+    modulo growth test (microsoft/DeepSpeed 0336518), transcribed: scale_factor 2 both ways,
+    delayed_shift = hysteresis, raise_error_at_min_scale as ZeRO constructs it."""
+
+    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
+        self.scale_factor, self.scale_window, self.min_scale = 2.0, scale_window, min_scale
+        self.delayed_shift = self.cur_hysteresis = delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+
+    def update_scale(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale:
+                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore.")
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+# absorbed by hysteresis, backed off, grown, bursts; every case of update_scale
+OVERFLOWS = ([False] * 5 + [True] + [False] * 3 + [True, True] + [False] * 9 + [True] * 3 + [False] * 4
+             + [True, False, True] + [False] * 10 + [True, False] * 3 + [False] * 6)
+
+
+def train(policy, overflows):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1))
+    amp = abt.apply(model, policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ds = DeepSpeedDynamicLossScaler(2.0 ** 8, 4, 1.0, 2, False)
+    for step, overflow in enumerate(overflows):
+        state = amp.scaler.loss_scale_state()
+        assert (state.scale, state.hysteresis_left) == (ds.cur_scale, ds.cur_hysteresis), step
+        loss = amp.model(torch.randn(8, 8)).float().pow(2).mean()
+        try:
+            ds.update_scale(overflow)
+        except Exception:
+            with pytest.raises(ampbridge.LossScaleError):
+                amp.step(loss * math.inf, opt)
+            return step
+        applied = amp.step(loss * math.inf if overflow else loss, opt)
+        opt.zero_grad()
+        assert bool(applied) is (not overflow), step
+    state = amp.scaler.loss_scale_state()
+    assert (state.scale, state.hysteresis_left, state.steps) == (ds.cur_scale, ds.cur_hysteresis, len(overflows))
+    return None
+
+
+def test_converted_recipe_follows_deepspeeds_trajectory_through_the_torch_backend():
+    conversion = recipes.from_deepspeed(RECIPE, release="modulo")
+    policy = conversion.result
+    ls = policy.loss_scale
+    assert (policy.compute_dtype, ls.mode, ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.min_scale,
+            ls.on_min_scale) == ("float16", "dynamic", 256.0, 4, 2, 1.0, "error")
+    assert not [loss for loss in conversion.losses if "loss_scale" in loss.setting]
+    assert train(policy, OVERFLOWS) is None
+    # and it checked something: the scale both grew and backed off along the way
+    seen = {s.scale for s in ampbridge.trajectory(policy.resolved_loss_scale, OVERFLOWS)}
+    assert min(seen) < 256.0 < max(seen)
+
+
+def test_the_raise_at_the_minimum_comes_at_the_same_step():
+    policy = recipes.from_deepspeed(RECIPE, release="modulo").result
+    # step 0 is absorbed by hysteresis, steps 1-8 back off 256 -> 1, step 9 overflows at the minimum:
+    # DeepSpeed raises there, and so does ampbridge (on_min_scale = "error")
+    assert train(policy, [True] * 40) == 9
+
+
+def test_the_later_release_is_reported_as_a_loss():
+    conversion = recipes.from_deepspeed(RECIPE)  # deepspeedai/DeepSpeed 18fd4c9 and later
+    assert any(loss.setting == "fp16.loss_scale_window" and "one step later" in loss.reason
+               for loss in conversion.losses)
