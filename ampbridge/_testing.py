@@ -32,3 +32,66 @@ def require(name: str, reason: str = "") -> ModuleType:
             pytest.fail(f"{message}, and AMPBRIDGE_REQUIRE asks for it", pytrace=False)
         pytest.skip(message)
         raise  # unreachable: skip raises
+
+
+class DeepSpeedDynamicLossScaler:
+    """DeepSpeed's ``DynamicLossScaler.update_scale`` (deepspeed/runtime/fp16/loss_scaler.py),
+    transcribed as a test oracle: scale_factor 2 both ways, ``delayed_shift`` = hysteresis, and
+    ZeRO's ``raise_error_at_min_scale``.
+
+    ``growth_test="modulo"``: microsoft/DeepSpeed 0336518 and earlier,
+    ``(cur_iter - last_overflow_iter) % scale_window == 0`` (what ampbridge's reference matches).
+    ``growth_test="stable_interval"``: deepspeedai/DeepSpeed 18fd4c9 and later,
+    ``stable_interval = cur_iter - last_overflow_iter - 1; stable_interval > 0 and
+    stable_interval % scale_window == 0`` (one step later after every overflow).
+
+    Example:
+        >>> ds = DeepSpeedDynamicLossScaler(8.0, 2, 1.0, 1, False)
+        >>> for overflow in (True, False, False):
+        ...     ds.update_scale(overflow)
+        >>> ds.cur_scale
+        8.0
+    """
+
+    def __init__(self, init_scale: float, scale_window: int, min_scale: float, delayed_shift: int,
+                 consecutive_hysteresis: bool, raise_error_at_min_scale: bool = True, growth_test: str = "modulo"):
+        if growth_test not in ("modulo", "stable_interval"):
+            raise ValueError(f"growth_test={growth_test!r}; accepted: modulo, stable_interval")
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
+        self.scale_factor, self.scale_window, self.min_scale = 2.0, scale_window, min_scale
+        self.delayed_shift = self.cur_hysteresis = delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.raise_error_at_min_scale = raise_error_at_min_scale
+        self.growth_test = growth_test
+
+    @classmethod
+    def from_config(cls, config: dict, growth_test: str = "modulo") -> "DeepSpeedDynamicLossScaler":
+        """Built from a DeepSpeed config's ``fp16`` section, with DeepSpeed's defaults."""
+        fp16 = config["fp16"]
+        return cls(init_scale=2 ** fp16.get("initial_scale_power", 16), scale_window=fp16.get("loss_scale_window", 1000),
+                   min_scale=fp16.get("min_loss_scale", 1), delayed_shift=fp16.get("hysteresis", 2),
+                   consecutive_hysteresis=fp16.get("consecutive_hysteresis", False), growth_test=growth_test)
+
+    def _grows(self) -> bool:
+        if self.growth_test == "modulo":
+            return (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0
+        stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+        return stable_interval > 0 and stable_interval % self.scale_window == 0
+
+    def update_scale(self, overflow: bool) -> None:
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if self._grows():
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1

@@ -7,7 +7,7 @@ import pytest
 
 import ampbridge
 from ampbridge import recipes
-from ampbridge._testing import require
+from ampbridge._testing import DeepSpeedDynamicLossScaler, require
 
 torch = require("torch")
 import ampbridge.torch as abt  # noqa: E402
@@ -20,36 +20,6 @@ RECIPE = {
              "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1},
     "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
 }
-
-
-class DeepSpeedDynamicLossScaler:
-    """deepspeed/runtime/fp16/loss_scaler.py DynamicLossScaler.update_scale in the release with the
-    modulo growth test (microsoft/DeepSpeed 0336518), transcribed: scale_factor 2 both ways,
-    delayed_shift = hysteresis, raise_error_at_min_scale as ZeRO constructs it."""
-
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
-        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
-        self.scale_factor, self.scale_window, self.min_scale = 2.0, scale_window, min_scale
-        self.delayed_shift = self.cur_hysteresis = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-
-    def update_scale(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale == self.min_scale:
-                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore.")
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
 
 
 # absorbed by hysteresis, backed off, grown, bursts; every case of update_scale

@@ -8,6 +8,7 @@ import pytest
 
 from ampbridge import LossScaleConfig, LossScaleError, LossScaler, LossScaleState, initial_state, next_state, trajectory
 from ampbridge._loss_scale import f32
+from ampbridge._testing import DeepSpeedDynamicLossScaler
 from ampbridge.errors import AmpBridgeWarning
 
 
@@ -31,43 +32,6 @@ def torch_grad_scaler(init, growth, backoff, interval, found_infs):
                 tracker = successful
         out.append((scale, tracker))
     return out
-
-
-class DeepSpeedDynamicLossScaler:
-    """deepspeed/runtime/fp16/loss_scaler.py DynamicLossScaler.update_scale, transcribed from the
-    release with the modulo growth test (microsoft/DeepSpeed 0336518): scale_factor 2 both ways,
-    delayed_shift = hysteresis, raise_error_at_min_scale."""
-
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis,
-                 raise_error_at_min_scale=True):
-        self.cur_scale = init_scale
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.scale_factor = 2.0
-        self.scale_window = scale_window
-        self.min_scale = min_scale
-        self.delayed_shift = delayed_shift
-        self.cur_hysteresis = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.raise_error_at_min_scale = raise_error_at_min_scale
-
-    def update_scale(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
-                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore.")
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
 
 
 def random_sequence(n, p_inf, seed):

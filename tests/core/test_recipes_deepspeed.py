@@ -1,8 +1,8 @@
 """A converted DeepSpeed recipe, run through the core reference, follows DeepSpeed's own scaler.
 
-The transcriptions below are DeepSpeed's ``DynamicLossScaler.update_scale``
-(deepspeed/runtime/fp16/loss_scaler.py) in its two growth tests: the modulo release the
-conversion matches, and the stable_interval release it reports as a loss.
+The oracle is DeepSpeed's ``DynamicLossScaler.update_scale`` transcribed
+(``ampbridge._testing.DeepSpeedDynamicLossScaler``) in its two growth tests: the modulo release
+the conversion matches, and the stable_interval release it reports as a loss.
 """
 
 import json
@@ -12,68 +12,14 @@ import pytest
 
 from ampbridge import LossScaleError, initial_state, next_state, trajectory
 from ampbridge import recipes
+from ampbridge._testing import DeepSpeedDynamicLossScaler
 
 HERE = Path(__file__).parent / "recipes"
 
 
-class DynamicLossScaler:
-    """DeepSpeed's DynamicLossScaler: scale_factor 2, delayed_shift = hysteresis, raise at the minimum.
-
-    ``growth_test="modulo"``: microsoft/DeepSpeed 0336518 and earlier,
-    ``(cur_iter - last_overflow_iter) % scale_window == 0``.
-    ``growth_test="stable_interval"``: deepspeedai/DeepSpeed 18fd4c9,
-    ``stable_interval = cur_iter - last_overflow_iter - 1; stable_interval > 0 and stable_interval % scale_window == 0``.
-    """
-
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis,
-                 raise_error_at_min_scale=True, growth_test="modulo"):
-        self.cur_scale = init_scale
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.scale_factor = 2.0
-        self.scale_window = scale_window
-        self.min_scale = min_scale
-        self.delayed_shift = delayed_shift
-        self.cur_hysteresis = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.raise_error_at_min_scale = raise_error_at_min_scale
-        self.growth_test = growth_test
-
-    def grows(self):
-        if self.growth_test == "modulo":
-            return (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0
-        stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
-        return stable_interval > 0 and stable_interval % self.scale_window == 0
-
-    def update_scale(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
-                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if self.grows():
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
-
-
 def from_config(config, growth_test="modulo"):
     """DeepSpeed's own scaler, built from the fp16 section as deepspeed/runtime/precision_config.py does."""
-    fp16 = config["fp16"]
-    return DynamicLossScaler(init_scale=2 ** fp16.get("initial_scale_power", 16),
-                             scale_window=fp16.get("loss_scale_window", 1000),
-                             min_scale=fp16.get("min_loss_scale", 1),
-                             delayed_shift=fp16.get("hysteresis", 2),
-                             consecutive_hysteresis=fp16.get("consecutive_hysteresis", False),
-                             growth_test=growth_test)
-
+    return DeepSpeedDynamicLossScaler.from_config(config, growth_test)
 
 def overflow_sequence():
     """A fixed run: lone overflows the hysteresis absorbs, bursts that back off, long clean stretches."""
