@@ -105,7 +105,7 @@ def run_torch(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
 # --- Keras ------------------------------------------------------------------------------------------
 
 def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
-              progress: Progress | None = None) -> Run:
+              progress: Progress | None = None, jit_compile: bool | str = "auto") -> Run:
     import keras
     import numpy as np
 
@@ -133,7 +133,7 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
         model = ak.apply(km.build(seed), policy.at(step=0, epoch=0) if policy.phases else policy)
         opt = ak.optimizer(keras.optimizers.SGD(CONFIG.lr), policy)
         run.plan = ak.plan(model, policy.at(step=0, epoch=0) if policy.phases else policy, warn=False)
-    model.compile(optimizer=opt, loss=km.loss_fn)
+    model.compile(optimizer=opt, loss=km.loss_fn, jit_compile=jit_compile)
 
     def scale_now() -> float:
         if native:
@@ -216,37 +216,29 @@ def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int
         updates, new_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_state, loss
 
-    if policy.phases:
+    first = policy.at(step=0, epoch=0)
+    params = abj.apply(module, first).cast_params(variables, x0)["params"]
+    run.plan = abj.plan(module, first, x0, warn=False)
+    if policy.phases:  # one jitted step per phase; the Schedule moves the state at the boundaries
         schedule = abj.Schedule(module, policy, optax.sgd(CONFIG.lr), train_step)
-        params, opt_state = schedule.init(jax.random.key(0), x0)
-        params = abj.apply(module, policy.at(step=0, epoch=0)).cast_params(variables, x0)["params"]
-        run.plan = abj.plan(module, policy.at(step=0, epoch=0), x0, warn=False)
-        for i, (x, y) in enumerate(data):
-            run.phases.append(policy.phase_index(step=i))
-            params, opt_state = schedule.enter(params, opt_state, step=i)
-            used = float(abj.loss_scale(opt_state).scale)
-            skipped_before = int(abj.loss_scale(opt_state).skipped)
-            t0 = time.perf_counter()
-            params, opt_state, loss = schedule.step_fn(step=i)(
-                params, opt_state, jnp.asarray(x), jnp.asarray(y), jnp.float32(math.inf if i in inject else 1.0))
-            loss = float(loss)
-            run.step_seconds.append(time.perf_counter() - t0)
-            run.losses.append(math.nan if i in inject else loss)
-            run.scales.append(used)
-            run.skipped.append(int(abj.loss_scale(opt_state).skipped) > skipped_before)
-            _tick(progress, i)
-        s = abj.loss_scale(opt_state)
-        run.final_state = LossScaleState(float(s.scale), int(s.good_steps), int(s.hysteresis_left), int(s.steps),
-                                         int(s.skipped))
-        return run
+        opt_state = schedule.init(jax.random.key(0), x0)[1]
 
-    amp = abj.apply(module, policy)
-    params = amp.cast_params(variables, x0)["params"]
-    tx = abj.optimizer(optax.sgd(CONFIG.lr), policy)
-    opt_state = tx.init(params)
-    step = jax.jit(lambda p, s, x, y, m: train_step(amp, tx, p, s, x, y, m))
-    run.plan = abj.plan(module, policy, x0, warn=False)
+        def step_at(i: int, params: Any, opt_state: Any) -> tuple[Any, Any, Callable[..., Any]]:
+            params, opt_state = schedule.enter(params, opt_state, step=i)
+            return params, opt_state, schedule.step_fn(step=i)
+    else:
+        amp = abj.apply(module, policy)
+        tx = abj.optimizer(optax.sgd(CONFIG.lr), policy)
+        opt_state = tx.init(params)
+        jitted = jax.jit(lambda p, s, x, y, m: train_step(amp, tx, p, s, x, y, m))
+
+        def step_at(i: int, params: Any, opt_state: Any) -> tuple[Any, Any, Callable[..., Any]]:
+            return params, opt_state, jitted
+
     for i, (x, y) in enumerate(data):
+        if policy.phases:
+            run.phases.append(policy.phase_index(step=i))
+        params, opt_state, step = step_at(i, params, opt_state)
         before = abj.loss_scale(opt_state)
         used, skipped_before = float(before.scale), int(before.skipped)
         t0 = time.perf_counter()
