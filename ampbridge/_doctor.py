@@ -57,7 +57,12 @@ def _tensorflow() -> dict[str, Any]:
             devices.append(Device("cuda", details.get("device_name", d.name), details.get("compute_capability")))
         elif d.device_type == "TPU":
             devices.append(Device("tpu", d.name))
-    matmul = f"TF32 execution enabled={tf.config.experimental.tensor_float_32_execution_enabled()}"
+    from ._hardware import tensorflow_bfloat16_rounding
+
+    matmul = (f"TF32 execution enabled={tf.config.experimental.tensor_float_32_execution_enabled()}; "
+              f"CPU bfloat16 kernels (no XLA) round {tensorflow_bfloat16_rounding()}")
+    if tensorflow_bfloat16_rounding() != "nearest":
+        matmul += " (torch, JAX and jit_compile=True round to nearest: bfloat16 results drift from theirs)"
     import keras
 
     return {"version": f"{tf.__version__} (keras {keras.__version__}, backend {keras.backend.backend()})",

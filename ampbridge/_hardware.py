@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -111,3 +112,24 @@ def resolve_auto(policy, device: Device, *, warn: bool = True):  # -> tuple[Poli
 
     phases = tuple(dataclasses.replace(ph, policy=fix(ph.policy)) for ph in policy.phases)
     return fix(policy).replace(phases=phases), f"compute_dtype auto -> {choice}: {reason}"
+
+
+@functools.lru_cache(maxsize=1)
+def tensorflow_bfloat16_rounding() -> str:
+    """How TensorFlow's own (non-XLA) CPU kernels round a float32 result to bfloat16:
+    ``"nearest"`` or ``"toward zero"``. Imports TensorFlow.
+
+    TensorFlow's CPU MatMul computes bfloat16 in float32 and converts the result with
+    ``FloatToBFloat16``, which truncates, unless oneDNN's bfloat16 kernels take the op (seen here
+    on a CPU with AVX512_BF16; not on an AVX2-only one), so the answer depends on the machine and
+    is measured: a 1x2 by 2x1 product whose exact value, 1 + 3/512, lies three quarters of a
+    bfloat16 ulp above 1 (round to nearest gives 1 + 1/128, truncation 1). XLA
+    (``jit_compile=True``) rounds to nearest on every CPU.
+    """
+    import tensorflow as tf
+
+    with tf.device("/CPU:0"):
+        a = tf.constant([[1.0, 3.0 / 512]], tf.bfloat16)
+        b = tf.constant([[1.0], [1.0]], tf.bfloat16)
+        value = float(tf.cast(tf.matmul(a, b), tf.float32)[0, 0])
+    return "toward zero" if value == 1.0 else "nearest"

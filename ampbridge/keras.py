@@ -56,6 +56,7 @@ __all__ = [
     "MonitorCallback",
     "PhaseCallback",
     "apply",
+    "bfloat16_rounding",
     "device",
     "dtype_policy",
     "kind_of",
@@ -166,7 +167,42 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
     policy, why = resolve_auto(policy, device(), warn=warn)
     if why:
         notes.append(why)
+    if _uses_bfloat16(policy) and bfloat16_rounding() == "toward zero" and device().platform == "cpu":
+        notes.append(_TRUNCATION_NOTE)
+        if warn and not _truncation_said:
+            _truncation_said.append(True)
+            warnings.warn(_TRUNCATION_NOTE, AmpBridgeWarning, stacklevel=3)
     return policy, tuple(notes)
+
+
+_TRUNCATION_NOTE = (
+    "TensorFlow's CPU kernels for bfloat16 round toward zero on this machine (measured), where "
+    "torch, JAX and TensorFlow's own XLA round to nearest; bfloat16 training "
+    "drifts from theirs by about an ulp per matmul. Compile the model with jit_compile=True "
+    "(XLA rounds to nearest) to match them, or use float32 (what compute_dtype='auto' picks here)")
+_truncation_said: list[bool] = []
+
+
+def _uses_bfloat16(policy: Policy) -> bool:
+    return "bfloat16" in {policy.compute_dtype, policy.param_dtype} | {
+        getattr(rule, name) for rule in policy.overrides for name in ("compute_dtype", "param_dtype")} | {
+        dtype for phase in policy.phases for dtype in (phase.policy.compute_dtype, phase.policy.param_dtype)}
+
+
+def bfloat16_rounding() -> str | None:
+    """How the TensorFlow backend's own (non-XLA) CPU kernels round to bfloat16: ``"nearest"`` or
+    ``"toward zero"`` (measured by ``ampbridge._hardware.tensorflow_bfloat16_rounding``); None on
+    the JAX and torch Keras backends, which round to nearest everywhere.
+
+    Example:
+        >>> bfloat16_rounding() in ("nearest", "toward zero", None)
+        True
+    """
+    if _backend() != "tensorflow":
+        return None
+    from ._hardware import tensorflow_bfloat16_rounding
+
+    return tensorflow_bfloat16_rounding()
 
 
 # --- dtype policies ---------------------------------------------------------------------------

@@ -123,6 +123,7 @@ def _fake_device(monkeypatch, capability, flags=frozenset({"avx2"})):
 def test_auto_resolves_for_the_detected_device(kx, monkeypatch, capability, flags, expected):
     model = _model(kx)  # before faking (seeding torch would initialise a CUDA that is not there)
     _fake_device(monkeypatch, capability, flags)
+    monkeypatch.setattr(ak, "bfloat16_rounding", lambda: None)  # the faked CPU's kernels are not probed
     dev = ak.device()
     assert dev == (Device("cuda", "Fake GPU", capability) if capability
                    else Device("cpu", dev.name, cpu_flags=frozenset(flags)))
@@ -157,3 +158,54 @@ def test_auto_on_this_machine_runs_its_choice(kx):
     outputs, stored = _run_dtypes(kx, model)
     assert outputs["dense"] == {choice} and model.get_layer("dense").compute_dtype == choice
     assert stored == {"float32"}
+
+
+# --- how the backend's bfloat16 kernels round ------------------------------------------------------
+
+def _bf16(x):
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)  # round to nearest
+
+
+def _truncate(x):
+    bits = np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32)
+
+
+def test_bfloat16_rounding_describes_what_the_backends_matmul_really_does():
+    # products of two bfloat16 terms are exact in float32, so each output is that float32 value
+    # rounded once to bfloat16, by the kernel's own rule
+    rng = np.random.default_rng(0)
+    a, b = _bf16(rng.standard_normal((64, 2))), _bf16(rng.standard_normal((2, 64)))
+    exact = a @ b
+    out = keras.ops.convert_to_numpy(keras.ops.cast(keras.ops.matmul(
+        keras.ops.cast(a, "bfloat16"), keras.ops.cast(b, "bfloat16")), "float32"))
+    rounding = ak.bfloat16_rounding()
+    if BACKEND != "tensorflow":
+        assert rounding is None
+        rounding = "nearest"  # JAX (XLA) and torch
+    expected = _bf16(exact) if rounding == "nearest" else _truncate(exact)
+    assert (_bf16(exact) != _truncate(exact)).mean() > 0.3  # the two rules really differ here
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's own kernels only")
+@pytest.mark.parametrize("rounding", ["nearest", "toward zero"])
+def test_a_truncating_tensorflow_says_so_for_bfloat16_policies_only(monkeypatch, rounding):
+    monkeypatch.setattr(ak, "bfloat16_rounding", lambda: rounding)
+    monkeypatch.setattr(ak, "_truncation_said", [])
+    model = _model(types.SimpleNamespace(seed=keras.utils.set_random_seed))
+    bf16 = ampbridge.preset("mixed_bfloat16")
+    scheduled = ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 5\n[[phase]]\ncompute_dtype = "bfloat16"\n')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        notes = {name: ak.plan(model, p).notes for name, p in
+                 (("bf16", bf16), ("bf16 again", bf16), ("f16", MIXED), ("schedule", scheduled))}
+    said = [w for w in caught if "round toward zero" in str(w.message)]
+    if rounding == "nearest":
+        assert not said and not any(notes.values())
+    else:
+        assert len(said) == 1  # once per process
+        assert all(any("jit_compile=True" in n for n in notes[k]) for k in ("bf16", "bf16 again", "schedule"))
+        assert not notes["f16"]

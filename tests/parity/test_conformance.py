@@ -75,17 +75,29 @@ SCHEDULE = (ampbridge.loads("""
 #: Each framework rounds the half-precision layers' results to the format (relative error up to
 #: eps/2 per rounding) but at different places (where casts sit, matmul accumulation order), so
 #: per-step losses differ by a few roundings; over 50 SGD steps on this model that stays below one
-#: machine epsilon of the compute dtype (measured: float16 ~0.1 eps, bfloat16 ~0.3 eps).
+#: machine epsilon of the compute dtype (measured: float16 ~0.1 eps, bfloat16 ~0.3 eps). Where
+#: TensorFlow's bfloat16 kernels truncate (see keras_rounds_bfloat16_toward_zero), Keras's plain
+#: run drifts further, always the same way (measured on an AVX2-only CPU: 1.7 eps).
 TOLERANCE = {"float32": 1e-5, "float16": ampbridge.formats()["float16"].eps,
              "bfloat16": ampbridge.formats()["bfloat16"].eps}
 
 
 @lru_cache(maxsize=None)
-def run(case: str, framework: str):
+def run(case: str, framework: str, **options):
     policy, inject = SCHEDULE if case == "schedule" else POLICIES[case]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return RUNNERS[framework](policy, STEPS, inject)
+        return RUNNERS[framework](policy, STEPS, inject, **options)
+
+
+def keras_rounds_bfloat16_toward_zero() -> bool:
+    """On a CPU where TensorFlow's own bfloat16 kernels truncate (``ampbridge.keras.bfloat16_rounding``),
+    Keras-on-TensorFlow bfloat16 training drifts systematically from torch and JAX, which round
+    to nearest; there the losses are compared on XLA (``jit_compile=True``), which rounds to
+    nearest too, and the plain run is held to the truncation bound instead."""
+    import ampbridge.keras as ak
+
+    return ak.bfloat16_rounding() == "toward zero"
 
 
 def reference_scales(case: str) -> tuple[list[float], list[bool]]:
@@ -145,13 +157,19 @@ def test_the_schedule_switches_at_the_same_steps():
 def test_training_losses_agree(case):
     policy, inject = POLICIES[case]
     tolerance = TOLERANCE[policy.compute_dtype]
+    truncating = policy.compute_dtype == "bfloat16" and keras_rounds_bfloat16_toward_zero()
     losses = {fw: np.array(run(case, fw).losses) for fw in FRAMEWORKS}
+    if truncating:
+        losses["keras (TF kernels)"] = losses["keras"]
+        losses["keras"] = np.array(run(case, "keras", jit_compile=True).losses)
     finite = np.isfinite(losses["torch"])
     assert finite.sum() == STEPS - len(inject)
-    for fw in ("keras", "jax"):
+    for fw in losses.keys() - {"torch"}:
         assert np.array_equal(np.isfinite(losses[fw]), finite), fw
         rel = np.abs(losses[fw][finite] - losses["torch"][finite]) / np.abs(losses["torch"][finite])
-        assert rel.max() <= tolerance, (fw, float(rel.max()))
+        # truncation errs by up to a whole ulp per rounding, always the same way: twice the bound
+        bound = 2 * tolerance if fw == "keras (TF kernels)" else tolerance
+        assert rel.max() <= bound, (fw, float(rel.max()))
     # and it really trains: the loss falls well below its starting value
     assert losses["torch"][finite][-1] < 0.5 * losses["torch"][0]
 
