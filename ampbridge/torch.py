@@ -686,10 +686,35 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
             and not cast_inputs:
         return compute, compute, (f"the gates' matmuls run in {compute}; the output keeps its input's dtype "
                                   f"({compute} when fed by a {compute} layer)"), True
-    if behaviour == "cast" and isinstance(module, nn.LSTM) and device_type == "cpu" and compute == "float16":
-        return compute, compute, ("cpu LSTM under float16 autocast needs float16 inputs (oneDNN); pin it or feed "
-                                  "float16"), False
+    if behaviour == "cast" and isinstance(module, nn.LSTM) and device_type == "cpu" and \
+            not cpu_lstm_takes_float32_inputs(compute):
+        return compute, compute, (f"cpu LSTM under {compute} autocast needs {compute} inputs on this CPU "
+                                  f"(oneDNN); pin it or feed {compute}"), False
     return compute, compute, "", False
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_lstm_takes_float32_inputs(compute_dtype: str) -> bool:
+    """Whether ``nn.LSTM`` runs on float32 inputs inside ``torch.autocast("cpu", dtype=compute_dtype)``.
+
+    autocast sends the LSTM to oneDNN in the lower precision, and oneDNN refuses the mixed
+    float32-input primitive for float16 everywhere and for bfloat16 on CPUs without native
+    bfloat16 (seen on an AVX2-only CPU; it ran on an AVX512_BF16 one), so it is measured, on a
+    one-unit LSTM.
+
+    Example:
+        >>> cpu_lstm_takes_float32_inputs("float32")
+        True
+    """
+    if compute_dtype == "float32":
+        return True
+    lstm = nn.LSTM(1, 1)
+    try:
+        with torch.autocast("cpu", dtype=getattr(torch, compute_dtype)), torch.no_grad():
+            lstm(torch.zeros(1, 1, 1))
+    except RuntimeError:
+        return False
+    return True
 
 
 # --- the loss scaler ---------------------------------------------------------------------------
