@@ -59,9 +59,10 @@ def _tensorflow() -> dict[str, Any]:
             devices.append(Device("tpu", d.name))
     from ._hardware import tensorflow_bfloat16_rounding
 
+    rounding = tensorflow_bfloat16_rounding()
     matmul = (f"TF32 execution enabled={tf.config.experimental.tensor_float_32_execution_enabled()}; "
-              f"CPU bfloat16 kernels (no XLA) round {tensorflow_bfloat16_rounding()}")
-    if tensorflow_bfloat16_rounding() != "nearest":
+              f"CPU bfloat16 kernels (no XLA) round {rounding}")
+    if rounding != "nearest":
         matmul += " (torch, JAX and jit_compile=True round to nearest: bfloat16 results drift from theirs)"
     import keras
 

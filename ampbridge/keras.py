@@ -156,21 +156,22 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
         >>> resolve_policy(ampbridge.preset("mixed_bfloat16"))[0].compute_dtype
         'bfloat16'
     """
-    from ._env import effective_policy
+    from . import _env
     from ._hardware import resolve_auto
 
     given = _as_policy(policy)
     notes: list[str] = []
-    policy = effective_policy(given, f"keras ({_backend()})", warn=warn)
+    policy = _env.effective_policy(given, f"keras ({_backend()})", warn=warn)
     if policy is not given:
         notes.append("the environment (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY) replaced the policy given")
-    policy, why = resolve_auto(policy, device(), warn=warn)
+    where = device()
+    policy, why = resolve_auto(policy, where, warn=warn)
     if why:
         notes.append(why)
-    if _uses_bfloat16(policy) and bfloat16_rounding() == "toward zero" and device().platform == "cpu":
+    if where.platform == "cpu" and _uses_bfloat16(policy) and bfloat16_rounding() == "toward zero":
         notes.append(_TRUNCATION_NOTE)
-        if warn and not _truncation_said:
-            _truncation_said.append(True)
+        if warn and _TRUNCATION_NOTE not in _env._said:  # once per process, like the bisect switch
+            _env._said.add(_TRUNCATION_NOTE)
             warnings.warn(_TRUNCATION_NOTE, AmpBridgeWarning, stacklevel=3)
     return policy, tuple(notes)
 
@@ -180,7 +181,6 @@ _TRUNCATION_NOTE = (
     "torch, JAX and TensorFlow's own XLA round to nearest; bfloat16 training "
     "drifts from theirs by about an ulp per matmul. Compile the model with jit_compile=True "
     "(XLA rounds to nearest) to match them, or use float32 (what compute_dtype='auto' picks here)")
-_truncation_said: list[bool] = []
 
 
 def _uses_bfloat16(policy: Policy) -> bool:

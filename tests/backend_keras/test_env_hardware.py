@@ -194,7 +194,6 @@ def test_bfloat16_rounding_describes_what_the_backends_matmul_really_does():
 @pytest.mark.parametrize("rounding", ["nearest", "toward zero"])
 def test_a_truncating_tensorflow_says_so_for_bfloat16_policies_only(monkeypatch, rounding):
     monkeypatch.setattr(ak, "bfloat16_rounding", lambda: rounding)
-    monkeypatch.setattr(ak, "_truncation_said", [])
     model = _model(types.SimpleNamespace(seed=keras.utils.set_random_seed))
     bf16 = ampbridge.preset("mixed_bfloat16")
     scheduled = ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 5\n[[phase]]\ncompute_dtype = "bfloat16"\n')

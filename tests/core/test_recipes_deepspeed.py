@@ -17,10 +17,6 @@ from ampbridge._testing import DeepSpeedDynamicLossScaler
 HERE = Path(__file__).parent / "recipes"
 
 
-def from_config(config, growth_test="modulo"):
-    """DeepSpeed's own scaler, built from the fp16 section as deepspeed/runtime/precision_config.py does."""
-    return DeepSpeedDynamicLossScaler.from_config(config, growth_test)
-
 def overflow_sequence():
     """A fixed run: lone overflows the hysteresis absorbs, bursts that back off, long clean stretches."""
     seq = [True]                      # absorbed (hysteresis 2 -> 1)
@@ -35,7 +31,7 @@ def overflow_sequence():
 def paired(config, seq, release="modulo"):
     policy = recipes.from_deepspeed(config, release=release).result
     cfg = policy.resolved_loss_scale
-    ds = from_config(config, release)
+    ds = DeepSpeedDynamicLossScaler.from_config(config, release)
     state = initial_state(cfg)
     pairs = []
     for found_inf in seq:
@@ -74,7 +70,7 @@ def test_short_windows_and_hysteresis(consecutive, hysteresis, window):
                        "hysteresis": hysteresis, "consecutive_hysteresis": consecutive, "min_loss_scale": 1},
               "zero_optimization": {"stage": 3}}
     cfg = recipes.from_deepspeed(config, release="modulo").result.resolved_loss_scale
-    ds, state = from_config(config), initial_state(cfg)
+    ds, state = DeepSpeedDynamicLossScaler.from_config(config), initial_state(cfg)
     seq, scales = [], set()
     for _ in range(5000):
         found_inf = ds.cur_scale * rng.lognormvariate(-8, 3) > 65504.0
@@ -91,7 +87,7 @@ def test_minimum_scale_raises_at_the_same_step():
               "zero_optimization": {"stage": 2}}
     cfg = recipes.from_deepspeed(config, release="modulo").result.resolved_loss_scale
     assert cfg.on_min_scale == "error"
-    ds, state = from_config(config), initial_state(cfg)
+    ds, state = DeepSpeedDynamicLossScaler.from_config(config), initial_state(cfg)
     for step, found_inf in enumerate([True] * 10):
         try:
             ds.update_scale(found_inf)
