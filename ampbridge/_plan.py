@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -34,7 +36,7 @@ from ._policy import Policy
 from ._table import render_table
 from .errors import UnmatchedRuleWarning
 
-__all__ = ["Layer", "PlanRow", "Plan", "build_plan", "layers_from_data"]
+__all__ = ["Layer", "PlanRow", "Plan", "RowResolver", "build_plan", "layers_from_data"]
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,74 @@ class _RuleIndex:
         return best
 
 
+class RowResolver:
+    """:func:`build_plan`'s resolution one layer at a time, for backends that meet layers while tracing.
+
+    The rules are compiled once; ``row(chain)`` resolves the last layer of ``chain`` (the model's
+    root down to that layer) exactly as :func:`build_plan` would in a model holding those layers.
+
+    Example:
+        >>> from ampbridge import Layer, Policy
+        >>> r = RowResolver(Policy(compute_dtype="bfloat16", keep_float32=("encoder",)))
+        >>> row = r.row([Layer(""), Layer("encoder"), Layer("encoder.fc", "linear")])
+        >>> row.compute_dtype, row.decided_by
+        ('float32', 'keep_float32[0] encoder (via encoder)')
+    """
+
+    def __init__(self, policy: Policy):
+        if policy.phases:
+            policy = policy.at(step=0, epoch=0)
+        self.policy = policy
+        self.compiled = [(label, rule, [compile_pattern(m) for m in rule.match]) for label, rule in policy.rules]
+        self.index = _RuleIndex([patterns for _, _, patterns in self.compiled])
+        self._decisions: dict[tuple, tuple[int, str] | None] = {}  # for row(): ancestors repeat
+
+    def decision(self, layer: Layer) -> tuple[int, str] | None:
+        """(rule index, matching pattern) of the last rule matching ``layer`` itself, or None."""
+        idx = self.index.winner(layer)
+        if idx < 0:
+            return None
+        return idx, next(p.text for p in self.compiled[idx][2]
+                         if p.matches(layer.path, layer.kind, layer.class_name))
+
+    def _cached_decision(self, layer: Layer) -> tuple[int, str] | None:
+        key = (layer.path, layer.kind, layer.class_name)
+        try:
+            return self._decisions[key]
+        except KeyError:
+            decided = self._decisions[key] = self.decision(layer)
+            return decided
+
+    def matching(self, layer: Layer, among: "set[int]") -> "set[int]":
+        """The rules of ``among`` that match ``layer`` (winning or not)."""
+        return {i for i in among if any(p.matches(layer.path, layer.kind, layer.class_name)
+                                        for p in self.compiled[i][2])}
+
+    def make_row(self, layer: Layer, decided: tuple[int, str] | None, inherited: str | None) -> PlanRow:
+        policy = self.policy
+        if decided is None:
+            return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count,
+                           policy.compute_dtype, policy.param_dtype, policy.compute_dtype)
+        idx, pattern = decided
+        label, rule, _ = self.compiled[idx]
+        compute = rule.compute_dtype or policy.compute_dtype
+        return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count, compute,
+                       rule.param_dtype or policy.param_dtype, rule.output_dtype or compute,
+                       label, pattern, inherited)
+
+    def row(self, chain: "list[Layer] | tuple[Layer, ...]") -> PlanRow:
+        """The row of ``chain[-1]``; ``chain[:-1]`` are its ancestors, the model's root first."""
+        layer = chain[-1]
+        decided = self._cached_decision(layer)
+        if decided is not None:
+            return self.make_row(layer, decided, None)
+        for ancestor in reversed(chain[:-1]):
+            decided = self._cached_decision(ancestor)
+            if decided is not None:
+                return self.make_row(layer, decided, ancestor.path)
+        return self.make_row(layer, None, None)
+
+
 def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None = None,
                adjust: Callable[[PlanRow], PlanRow] | None = None, notes: Iterable[str] = (),
                warn: bool = True) -> Plan:
@@ -249,22 +319,19 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     :class:`UnmatchedRuleWarning` for each rule that matches no layer.
     """
     layers = list(layers)
-    if policy.phases:
-        policy = policy.at(step=0, epoch=0)
-    compiled = [(label, rule, [compile_pattern(m) for m in rule.match]) for label, rule in policy.rules]
-    index = _RuleIndex([patterns for _, _, patterns in compiled])
+    resolver = RowResolver(policy)
+    policy = resolver.policy
+    compiled = resolver.compiled
     pending = set(range(len(compiled)))  # rules not yet seen matching any layer
     decisions: dict[str, tuple[int, str]] = {}  # path -> (rule index, matching pattern)
     for layer in layers:
-        idx = index.winner(layer)
-        if idx >= 0:
-            hit = next(p.text for p in compiled[idx][2] if p.matches(layer.path, layer.kind, layer.class_name))
-            decisions[layer.path] = (idx, hit)
-            pending.discard(idx)
+        decided = resolver.decision(layer)
+        if decided is not None:
+            decisions[layer.path] = decided
+            pending.discard(decided[0])
         # a rule that loses to a later one still counts as matching (it is not a typo)
         if pending:
-            pending -= {i for i in pending
-                        if any(p.matches(layer.path, layer.kind, layer.class_name) for p in compiled[i][2])}
+            pending -= resolver.matching(layer, pending)
 
     rows = []
     for layer in layers:
@@ -278,16 +345,7 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
                 inherited = parent
             elif layer.path and "" in decisions:
                 decided, inherited = decisions[""], ""
-        if decided is None:
-            row = PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count,
-                          policy.compute_dtype, policy.param_dtype, policy.compute_dtype)
-        else:
-            idx, pattern = decided
-            label, rule, _ = compiled[idx]
-            compute = rule.compute_dtype or policy.compute_dtype
-            row = PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count, compute,
-                          rule.param_dtype or policy.param_dtype, rule.output_dtype or compute,
-                          label, pattern, inherited)
+        row = resolver.make_row(layer, decided, inherited)
         rows.append(adjust(row) if adjust else row)
 
     unmatched = tuple(f"{label} ({', '.join(rule.match)})"
@@ -297,6 +355,24 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
             warnings.warn(f"{text} matches no layer of the model (a typo?)", UnmatchedRuleWarning,
                           stacklevel=2)
     return Plan(tuple(rows), policy, framework, unmatched, tuple(notes))
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cycle collector while a backend builds or walks a large model's Plan.
+
+    A 10,000-module model means hundreds of thousands of live objects; every full collection
+    triggered by the allocations of planning walks all of them again (measured: Flax's NNX clone
+    of 10,000 modules takes 2.5 s with the collector, 1.3 s without). The previous state comes back
+    on exit; cycles made meanwhile are collected at the next collection after that.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def layers_from_data(data: Any, source: str = "<layers>") -> list[Layer]:
