@@ -58,6 +58,9 @@ def join_path(*names: str) -> str:
         >>> join_path("encoder/layers_0", "norm")
         'encoder.layers_0.norm'
     """
+    text = ".".join(map(str, names))
+    if "/" not in text and ".." not in text and not text.startswith(".") and not text.endswith("."):
+        return text  # already normalised (the common case, on every module of a large model)
     parts: list[str] = []
     for name in names:
         parts.extend(p for p in str(name).replace("/", ".").split(".") if p)

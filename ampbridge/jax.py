@@ -932,24 +932,22 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
 # --- flax.nnx ---------------------------------------------------------------------------------
 
 def _nnx_path(parts: Sequence[Any]) -> str:
-    names = [str(p) for p in parts]
-    text = ".".join(names)
-    if "/" in text or text.count(".") != max(len(names) - 1, 0) or "" in names:
-        return join_path(*names)  # names holding separators, or empty ones
-    return text
+    return join_path(*parts)
+
+
+def _tree_mode_first(fn: Callable[..., Any], module: Any) -> Any:
+    """``fn(module, graph=False)``, else ``fn(module, graph=True)``: Flax's tree mode handles a
+    10,000-module model 2-3x faster than its graph mode but refuses shared references (tied
+    weights) and cycles, which only graph mode follows."""
+    try:
+        return fn(module, graph=False)
+    except ValueError:  # shared references or a cycle
+        return fn(module, graph=True)
 
 
 def _nnx_graph(module: Any) -> list[tuple[tuple, Any]]:
-    """(path, value) of every node and leaf, each shared one once (where first met).
-
-    Flax's tree mode walks a 10,000-module model about 3x faster than its graph mode but refuses
-    shared references (tied weights) and cycles; those models take graph mode.
-    """
-    nnx = _nnx()
-    try:
-        return list(nnx.iter_graph(module, graph=False))
-    except ValueError:  # shared references or a cycle
-        return list(nnx.iter_graph(module, graph=True))
+    """(path, value) of every node and leaf, each shared one once (where first met)."""
+    return _tree_mode_first(lambda m, graph: list(_nnx().iter_graph(m, graph=graph)), module)
 
 
 class _NnxModel(NamedTuple):
@@ -989,8 +987,8 @@ def _nnx_layers(module: Any) -> _NnxModel:
 
 @gc_paused()
 def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[str, ...] = (),
-              model: _NnxModel | None = None) -> Plan:
-    layers, instances = (model or _nnx_layers(module))[:2]
+              described: _NnxModel | None = None) -> Plan:
+    layers, instances = (described or _nnx_layers(module))[:2]
     plan_notes = list(notes) + [
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
         f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
@@ -1097,15 +1095,10 @@ def _nnx_key(model: Any) -> _NnxKey | None:
 
 
 def _nnx_copy(module: Any) -> Any:
-    """A copy with its own modules and Variables (arrays shared): Flax's ``nnx.clone``, in tree
-    mode where the model shares nothing (twice as fast on 10,000 modules), else in graph mode."""
-    nnx = _nnx()
+    """A copy with its own modules and Variables (arrays shared): Flax's ``nnx.clone``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            return nnx.clone(module, graph=False)
-        except ValueError:  # shared references or a cycle
-            return nnx.clone(module)
+        return _tree_mode_first(_nnx().clone, module)
 
 
 def _set_static(module: Any, name: str, value: Any) -> None:
@@ -1122,7 +1115,7 @@ def _set_static(module: Any, name: str, value: Any) -> None:
 def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
     model = _nnx_copy(module)
     described = _nnx_layers(model)
-    plan_ = _nnx_plan(model, policy, warn=True, notes=notes, model=described)
+    plan_ = _nnx_plan(model, policy, warn=True, notes=notes, described=described)
     _, instances, owners, params, stats = described
     for path, (var, value) in params.items():
         want = _DTYPES[plan_[owners[path]].param_dtype]

@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ampbridge import compile_pattern, join_path
 
@@ -61,3 +63,15 @@ def test_join_path_normalises_separators():
     assert join_path("encoder/layers_0/norm") == "encoder.layers_0.norm"
     assert join_path("encoder", "layers.0", "norm") == "encoder.layers.0.norm"
     assert join_path("") == ""
+
+
+def test_join_path_drops_empty_segments_from_any_name():
+    assert join_path("", "a") == join_path("a", "") == "a" and join_path("a/", "/b") == "a.b"
+    assert join_path("a", "", "b") == join_path("a..b") == join_path(".a.b.") == "a.b"
+    assert join_path(0, "layers", 3) == "0.layers.3"
+
+
+@given(st.lists(st.one_of(st.text(alphabet="ab./", max_size=4), st.integers(0, 12)), max_size=5))
+def test_join_path_is_split_on_both_separators_then_joined(names):
+    expected = ".".join(p for n in names for p in str(n).replace("/", ".").split(".") if p)
+    assert join_path(*names) == expected
