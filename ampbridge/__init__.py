@@ -16,12 +16,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._dtypes import COMPUTE_DTYPES, STORAGE_DTYPES, FloatFormat, canonical_dtype, formats
-from ._io import PRESETS, dump, dumps, load, loads, preset
-from ._loss_scale import LossScaler, LossScaleState, initial_state, next_state, trajectory
-from ._matching import KINDS, compile_pattern, join_path
-from ._plan import Layer, Plan, PlanRow, build_plan, layers_from_data
-from ._policy import LossScaleConfig, Phase, Policy, Rule
+from .core.dtypes import COMPUTE_DTYPES, STORAGE_DTYPES, FloatFormat, canonical_dtype, formats
+from .core.io import PRESETS, dump, dumps, load, loads, preset
+from .core.loss_scale import LossScaler, LossScaleState, initial_state, next_state, trajectory
+from .core.matching import KINDS, compile_pattern, join_path
+from .core.plan import Layer, Plan, PlanRow, build_plan, layers_from_data
+from .core.policy import LossScaleConfig, Phase, Policy, Rule
 from .errors import (
     AmpBridgeError,
     AmpBridgeWarning,
@@ -90,7 +90,7 @@ def plan(model: Any, policy: Policy | str, *args: Any, **kwargs: Any) -> Plan:
         policy = preset(policy) if policy in PRESETS else load(policy)
     if isinstance(model, (list, tuple)) and all(isinstance(x, Layer) for x in model):
         return build_plan(model, policy, **kwargs)
-    from ._registry import backend_module, detect_backend
+    from .core.registry import backend_module, detect_backend
 
     name = detect_backend(model)
     if name is None:

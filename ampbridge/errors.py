@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,3 +119,29 @@ class AmpBridgeWarning(UserWarning):
 
 class UnmatchedRuleWarning(AmpBridgeWarning):
     """A pinning or override rule matched no layer of the model (usually a typo)."""
+
+
+#: what :func:`warn_once` has said in this process (tests clear it)
+_warned: set[str] = set()
+
+
+def warn_once(message: str, category: type[Warning] = AmpBridgeWarning, *, key: str | None = None,
+              stacklevel: int = 2) -> bool:
+    """Warn once per process for ``key`` (default: the message); True when it warned.
+
+    Every backend says a process-wide fact (the bisect switch is on, this CPU truncates bfloat16)
+    through here, so it is said once however many models are applied.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     warnings.simplefilter("always")
+        ...     warn_once("example"), warn_once("example")
+        (True, False)
+    """
+    key = message if key is None else key
+    if key in _warned:
+        return False
+    _warned.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    return True

@@ -15,7 +15,7 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
 - :func:`cast` (and ``cast_to_compute``/``cast_to_param``/``cast_to_output``) for plain pytrees
   (equinox, haiku): floating leaves only; ints, bools and non-arrays pass through.
 - :func:`optimizer` wraps any optax transformation with the reference loss-scale algorithm
-  (``ampbridge._loss_scale``): ``update`` unscales, checks finiteness, and on a non-finite step
+  (``ampbridge.core.loss_scale``): ``update`` unscales, checks finiteness, and on a non-finite step
   returns (negative) zero updates and leaves the inner state untouched. Everything is pure
   ``jnp``/``lax`` on pytree state with static settings: no host sync, no Python branch on a
   traced value, no host callback unless you ask for one (``host_callback=True``).
@@ -55,12 +55,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _io
-from ._loss_scale import LossScaleState as ReferenceState
-from ._loss_scale import initial_state as _reference_initial_state
-from ._matching import join_path
-from ._plan import Layer, Plan, PlanRow, RowResolver, build_plan, gc_paused, with_note
-from ._policy import LossScaleConfig, Policy
+from .core import io as _io
+from .core.loss_scale import LossScaleState as ReferenceState
+from .core.loss_scale import initial_state as _reference_initial_state
+from .core.matching import join_path
+from .core.plan import Layer, Plan, PlanRow, RowResolver, build_plan, gc_paused, with_note
+from .core.policy import LossScaleConfig, Policy
 from .errors import (
     AmpBridgeWarning,
     BackendUnavailableError,
@@ -139,7 +139,7 @@ def dtype(name: str | Any) -> np.dtype:
         dtype(bfloat16)
     """
     if isinstance(name, str):
-        from ._dtypes import canonical_dtype
+        from .core.dtypes import canonical_dtype
 
         try:
             return _DTYPES[canonical_dtype(name)]
@@ -154,7 +154,7 @@ def dtype(name: str | Any) -> np.dtype:
 # --- policies -----------------------------------------------------------------------------------
 
 def _device() -> Any:
-    from ._hardware import Device, cpu_flags
+    from .diagnostics.hardware import Device, cpu_flags
 
     dev = jax.devices()[0]
     platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
@@ -175,14 +175,14 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
 
     Accepts a Policy, a preset name or a policy file path. The environment's bisect switch
     (``AMPBRIDGE_DISABLE``/``AMPBRIDGE_POLICY``) applies, and ``compute_dtype = "auto"`` is
-    resolved for the default JAX device (``ampbridge._hardware``).
+    resolved for the default JAX device (``ampbridge.diagnostics.hardware``).
 
     Example:
         >>> resolve_policy("mixed_bfloat16")[0].compute_dtype
         'bfloat16'
     """
-    from ._env import effective_policy
-    from ._hardware import resolve_auto
+    from .diagnostics.environment import effective_policy
+    from .diagnostics.hardware import resolve_auto
 
     if isinstance(policy, str):
         policy = _io.preset(policy) if policy in _io.PRESETS else _io.load(policy)
@@ -284,7 +284,7 @@ def cast(tree: Any, policy: Policy | str | Any, to: str = "compute", *,
         if plan:
             raise ValueError("cast: plan= needs a Policy, not a dtype")
         return _cast_tree(tree, dtype(policy))
-    from ._env import effective_policy
+    from .diagnostics.environment import effective_policy
 
     policy = _phase_policy(effective_policy(policy, FRAMEWORK))  # the bisect switch reaches pytrees too
     if policy.compute_dtype == "auto":
@@ -1439,7 +1439,7 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
     unscales them (in float32), checks that all are finite and, when one is not and
     ``skip_nonfinite`` holds, returns updates of ``-0.0`` (``p + -0.0`` is ``p`` bit for bit, even
     for ``-0.0``) and keeps the inner state as it was. The scale then follows
-    ``ampbridge._loss_scale`` exactly (float32 arithmetic). Settings are closed over (static); the
+    ``ampbridge.core.loss_scale`` exactly (float32 arithmetic). Settings are closed over (static); the
     state is an :class:`AmpState` pytree. Put it outermost: ``optimizer(optax.chain(clip, adam), p)``,
     so every inner transformation sees unscaled gradients.
 
@@ -1610,11 +1610,11 @@ def _loss_scale_configs(policy: Policy) -> Any:
 def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConfig | None = None, *,
                 reset: bool = False) -> Any:
     """The optimizer state with its loss-scale state moved into a new phase (the core's rule,
-    ``ampbridge._loss_scale.enter_phase``: carry, or start fresh on ``reset`` or a mode change).
+    ``ampbridge.core.loss_scale.enter_phase``: carry, or start fresh on ``reset`` or a mode change).
 
     Runs on the host (it reads the state once); the inner optimizer state is left as it is.
     """
-    from ._loss_scale import enter_phase as reference_enter_phase
+    from .core.loss_scale import enter_phase as reference_enter_phase
 
     def move(x: Any) -> Any:
         if not isinstance(x, AmpState):
@@ -1755,7 +1755,7 @@ class Numerics:
     order: tuple[str, ...] = ()  # every module path the step called, in call (forward) order
 
     def layer_stats(self) -> dict[str, dict[str, float]]:
-        """Per layer, the statistics of ``ampbridge._runlog.layer_stats`` (reads the device)."""
+        """Per layer, the statistics of ``ampbridge.diagnostics.runlog.layer_stats`` (reads the device)."""
         if not bool(self.sampled):
             return {}
         counts, magnitudes = np.asarray(self.counts), np.asarray(self.magnitudes)
@@ -1818,7 +1818,7 @@ def _leaf_statistics(g: jax.Array, limit_bits: jax.Array, max_bits: int) -> tupl
 def _layer_statistics(owned: Mapping[str, list], compute: Mapping[str, str], scale: jax.Array
                       ) -> tuple[jax.Array, jax.Array]:
     """``counts`` (L, 4) int32 and ``magnitudes`` (L, 2) float32 for the layers in ``owned``."""
-    from ._dtypes import formats
+    from .core.dtypes import formats
 
     counts, magnitudes = [], []
     limits: dict[str, jax.Array] = {}
@@ -1922,7 +1922,7 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
     ``stats`` is a :class:`Numerics` of arrays:
 
     - per layer owning parameters (its Plan path), counts and magnitudes from which
-      ``ampbridge._runlog.layer_stats`` follows exactly, of the scaled gradients against the row's
+      ``ampbridge.diagnostics.runlog.layer_stats`` follows exactly, of the scaled gradients against the row's
       compute dtype; computed every ``every``-th optimizer step (``lax.cond`` on the step counter
       in the loss-scale state; 1: every step; None: never, for a second compiled step without them);
     - with ``attribution``, flags per leaf module (a module without submodules): its forward
@@ -2125,7 +2125,7 @@ class Monitor:
         ...     for i in range(3):
         ...         params, opt_state, stats = step(params, opt_state, x)
         ...         monitor.record(i, stats)
-        >>> [s["step"] for s in ampbridge._runlog.read_log(path).steps]
+        >>> [s["step"] for s in ampbridge.diagnostics.runlog.read_log(path).steps]
         [0, 1, 2]
     """
 
@@ -2158,7 +2158,7 @@ class Monitor:
 
     def _open(self, order: Sequence[str] = ()) -> Any:
         """Write the header: the Plan's paths in forward order (the order the step called them)."""
-        from ._runlog import RunLogWriter
+        from .diagnostics.runlog import RunLogWriter
 
         if self._writer is None:
             position = {p: i for i, p in enumerate(order)}

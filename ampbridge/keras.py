@@ -42,10 +42,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from ._loss_scale import LossScaleState, f32, initial_state
-from ._matching import compile_pattern
-from ._plan import Layer, Plan, PlanRow, build_plan, with_note
-from ._policy import LossScaleConfig, Policy
+from .core.loss_scale import LossScaleState, f32, initial_state
+from .core.matching import compile_pattern
+from .core.plan import Layer, Plan, PlanRow, build_plan, with_note
+from .core.policy import LossScaleConfig, Policy
 from .errors import AmpBridgeWarning, LossScaleError, PolicyError, UnsupportedOptionError
 
 __all__ = [
@@ -81,7 +81,7 @@ def _as_policy(policy: Policy | str) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
-        from ._io import PRESETS, load, preset
+        from .core.io import PRESETS, load, preset
 
         return preset(policy) if policy in PRESETS else load(policy)
     raise TypeError(f"expected an ampbridge.Policy, a preset name or a policy file path; "
@@ -91,7 +91,7 @@ def _as_policy(policy: Policy | str) -> Policy:
 # --- the policy that actually runs: environment switch, "auto" ----------------------------------
 
 def device() -> Any:
-    """The device the active Keras backend computes on, as the core's ``ampbridge._hardware.Device``
+    """The device the active Keras backend computes on, as the core's ``ampbridge.diagnostics.hardware.Device``
     (what ``compute_dtype = "auto"`` is decided on).
 
     TensorFlow: its first GPU (name and compute capability from ``tf.config``), else a TPU, else
@@ -102,8 +102,8 @@ def device() -> Any:
         >>> device().platform in ("cpu", "cuda", "tpu", "mps", "rocm")
         True
     """
-    from . import _hardware
-    from ._hardware import Device
+    from .diagnostics import hardware as _hardware
+    from .diagnostics.hardware import Device
 
     backend = _backend()
     if backend == "tensorflow":
@@ -148,16 +148,16 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
     differs from the one given (the Plan keeps these notes).
 
     ``AMPBRIDGE_DISABLE=1`` swaps in the ``float32`` preset and ``AMPBRIDGE_POLICY=NAME_OR_FILE``
-    another policy (``ampbridge._env``; each says so once per process); ``compute_dtype = "auto"``
-    becomes the :func:`device`'s choice (``ampbridge._hardware.resolve_auto``).
+    another policy (``ampbridge.diagnostics.environment``; each says so once per process); ``compute_dtype = "auto"``
+    becomes the :func:`device`'s choice (``ampbridge.diagnostics.hardware.resolve_auto``).
 
     Example:
         >>> import ampbridge
         >>> resolve_policy(ampbridge.preset("mixed_bfloat16"))[0].compute_dtype
         'bfloat16'
     """
-    from . import _env
-    from ._hardware import resolve_auto
+    from .diagnostics import environment as _env
+    from .diagnostics.hardware import resolve_auto
 
     given = _as_policy(policy)
     notes: list[str] = []
@@ -191,7 +191,7 @@ def _uses_bfloat16(policy: Policy) -> bool:
 
 def bfloat16_rounding() -> str | None:
     """How the TensorFlow backend's own (non-XLA) CPU kernels round to bfloat16: ``"nearest"`` or
-    ``"toward zero"`` (measured by ``ampbridge._hardware.tensorflow_bfloat16_rounding``); None on
+    ``"toward zero"`` (measured by ``ampbridge.diagnostics.hardware.tensorflow_bfloat16_rounding``); None on
     the JAX and torch Keras backends, which round to nearest everywhere.
 
     Example:
@@ -200,7 +200,7 @@ def bfloat16_rounding() -> str | None:
     """
     if _backend() != "tensorflow":
         return None
-    from ._hardware import tensorflow_bfloat16_rounding
+    from .diagnostics.hardware import tensorflow_bfloat16_rounding
 
     return tensorflow_bfloat16_rounding()
 
@@ -780,10 +780,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def set_loss_scale_config(self, config: LossScaleConfig, *, reset: bool = False) -> None:
         """Switch settings (a phase boundary); the state moves by the core's rule
-        (:func:`ampbridge._loss_scale.enter_phase`, the same in every backend): carried over
+        (:func:`ampbridge.core.loss_scale.enter_phase`, the same in every backend): carried over
         between dynamic phases, within the new bounds; fresh, step counters kept, on ``reset`` or
         any other change. Rebuild traced train functions afterwards (:class:`PhaseCallback` does)."""
-        from ._loss_scale import enter_phase
+        from .core.loss_scale import enter_phase
 
         config = _config_from(config)
         previous, before = self._config, self.state if self.built else None
@@ -847,7 +847,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return loss
         return super().scale_loss(loss)
 
-    # --- the algorithm, in keras.ops (the same numbers as ampbridge._loss_scale.next_state) ---
+    # --- the algorithm, in keras.ops (the same numbers as ampbridge.core.loss_scale.next_state) ---
 
     def _next_state(self, own: list[Any], found_inf: Any) -> list[Any]:
         cfg = self._config
@@ -1356,7 +1356,7 @@ def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[in
     """
     import math
 
-    from ._dtypes import formats
+    from .core.dtypes import formats
 
     if not grads:
         return ops.zeros((_ROW_SIZE,), "float32")
@@ -1536,7 +1536,7 @@ class _RootProbe:
 class Monitor:
     """The numerics log of a Keras model trained with ampbridge's :class:`LossScaleOptimizer`.
 
-    Writes the shared JSON Lines log (``ampbridge._runlog``; read it with ``ampbridge report``):
+    Writes the shared JSON Lines log (``ampbridge.diagnostics.runlog``; read it with ``ampbridge report``):
     a header, then a record for every ``every``-th optimizer step (step 0 included) with each
     layer's gradient statistics, and a record for every step whose gradients were non-finite,
     with ``first_nonfinite`` naming where it started. ``fit`` users pass a
@@ -1603,7 +1603,7 @@ class Monitor:
     def _policy(self) -> Policy:
         policy = getattr(self.model, "_ampbridge_policy", None) or self.optimizer.policy
         if policy is None:
-            from ._io import preset
+            from .core.io import preset
 
             policy = preset("float32")
         return _phase0(policy)
@@ -1634,8 +1634,8 @@ class Monitor:
         host_step = self.optimizer.state.steps if self.optimizer.built else 0
         self._refresh(host_step=host_step)
         if self._writer is None:
-            from ._io import policy_to_dict
-            from ._runlog import RunLogWriter
+            from .core.io import policy_to_dict
+            from .diagnostics.runlog import RunLogWriter
 
             policy = self._policy()
             self._writer = RunLogWriter(self.path, framework=f"keras ({_backend()})",
@@ -1820,7 +1820,7 @@ class MonitorCallback(keras.callbacks.Callback):
         >>> sample_weight = np.array([1, 1, np.inf, 1, 1, 1, 1, 1])  # step 1 goes non-finite
         >>> _ = model.fit(x, y, sample_weight=sample_weight, batch_size=2, shuffle=False, verbose=0,
         ...               callbacks=[MonitorCallback(path, every=2)])
-        >>> from ampbridge._runlog import read_log
+        >>> from ampbridge.diagnostics.runlog import read_log
         >>> [(s["step"], s["skipped"], bool(s["layers"])) for s in read_log(path).steps]
         [(0, False, True), (1, True, False), (2, False, True)]
     """

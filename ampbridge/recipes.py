@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._dtypes import canonical_dtype
-from ._loss_scale import LossScaleState, f32
-from ._matching import did_you_mean
-from ._policy import FLOAT32_MAX, Collector, LossScaleConfig, Policy, Rule, key_text
+from .core.dtypes import canonical_dtype
+from .core.loss_scale import LossScaleState, f32
+from .core.matching import did_you_mean
+from .core.fields import FLOAT32_MAX, Collector, key_text
+from .core.policy import LossScaleConfig, Policy, Rule
 from .errors import PolicyError, Problem, UnsupportedOptionError
 
 __all__ = [
@@ -432,7 +433,7 @@ def _require_concrete(policy: Policy, tool: str) -> None:
     if policy.compute_dtype == "auto":
         raise UnsupportedOptionError(
             f"compute_dtype='auto' cannot be written for {tool}: 'auto' is resolved on a device, and a recipe "
-            "needs a concrete dtype. Resolve it for the device the recipe targets first (ampbridge._hardware."
+            "needs a concrete dtype. Resolve it for the device the recipe targets first (ampbridge.diagnostics.hardware."
             "resolve_auto(policy, Device('cuda', capability=(8, 0))) picks bfloat16), or write "
             "policy.replace(compute_dtype='bfloat16') (or 'float16', 'float32').")
 
@@ -2108,7 +2109,7 @@ _TOML_ASSIGN = re.compile(r"^\s*[\w.\"'-]+\s*=")
 
 def _parse_text(text: str, suffix: str, source: str | None) -> tuple[Any, Callable[[tuple], int | None], str]:
     """Parse a recipe's text: (data, key path -> line, how it was parsed: json|yaml|toml|name)."""
-    from . import _io
+    from .core import io as _io
 
     stripped = text.strip()
     kind = {".json": "json", ".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}.get(suffix.lower())
@@ -2142,7 +2143,7 @@ def loads(text: str, format: str | None = None, *, source: str | None = None, su
         >>> loads('{"bf16": {"enabled": true}}').result.compute_dtype
         'bfloat16'
     """
-    from . import _io
+    from .core import io as _io
 
     if not text.strip():
         raise PolicyError([Problem("empty: no settings to read", file=source)])
@@ -2164,7 +2165,7 @@ def loads(text: str, format: str | None = None, *, source: str | None = None, su
         return Conversion(policy, source_format="ampbridge", target_format="ampbridge",
                           covers=frozenset(POLICY_FIELDS))
     if fmt == "ampbridge" and kind == "name":
-        from ._io import PRESETS, preset
+        from .core.io import PRESETS, preset
 
         if data in PRESETS:
             return Conversion(preset(data), source_format="ampbridge", target_format="ampbridge",

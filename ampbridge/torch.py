@@ -11,7 +11,7 @@ What runs where:
   ``Parameter`` objects, so optimizers keep working); buffers (BatchNorm running statistics) stay
   float32; the model's floating outputs are cast to ``output_dtype``;
 - **loss scaling**: :class:`GradScaler`, a ``torch.amp.GradScaler`` subclass that follows
-  ampbridge's reference algorithm (``ampbridge._loss_scale``) exactly, with tensor ops only;
+  ampbridge's reference algorithm (``ampbridge.core.loss_scale``) exactly, with tensor ops only;
 - **diagnostics**: ``amp.monitor(path, every=N)`` (:class:`Monitor`) writes the numerics log
   ``ampbridge report`` reads (per-layer gradient statistics, which layer overflowed first);
   ``AMPBRIDGE_DISABLE=1`` / ``AMPBRIDGE_POLICY=...`` replace the policy ``apply`` is given.
@@ -58,11 +58,11 @@ from torch import nn
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ._io import PRESETS, load, preset
-from ._loss_scale import LossScaleState, enter_phase, f32, initial_state
-from ._matching import KINDS
-from ._plan import Layer, Plan, PlanRow, build_plan, with_note
-from ._policy import LossScaleConfig, Policy
+from .core.io import PRESETS, load, preset
+from .core.loss_scale import LossScaleState, enter_phase, f32, initial_state
+from .core.matching import KINDS
+from .core.plan import Layer, Plan, PlanRow, build_plan, with_note
+from .core.policy import LossScaleConfig, Policy
 from .errors import AmpBridgeError, AmpBridgeWarning, LossScaleError, UnsupportedOptionError
 
 __all__ = [
@@ -97,7 +97,7 @@ class ModelNotSupportedError(AmpBridgeError, TypeError):
 
 def native_dtype(name: str) -> torch.dtype:
     """The torch dtype of an ampbridge dtype name: ``native_dtype("bf16")`` is ``torch.bfloat16``."""
-    from ._dtypes import canonical_dtype
+    from .core.dtypes import canonical_dtype
 
     return DTYPES[canonical_dtype(name)]
 
@@ -464,7 +464,7 @@ def _supported_compute_dtypes(device_type: str) -> frozenset[str]:
 
 def _device(device_type: str) -> Any:
     """This device as the core's ``Device`` (what ``compute_dtype = "auto"`` is decided on)."""
-    from ._hardware import Device, cpu_flags
+    from .diagnostics.hardware import Device, cpu_flags
 
     if device_type == "cuda" and torch.cuda.is_available():
         index = torch.cuda.current_device()
@@ -476,7 +476,7 @@ def _device(device_type: str) -> Any:
 
 def _resolve_for_device(policy: Policy, device_type: str) -> tuple[Policy, list[str]]:
     """Resolve ``compute_dtype = "auto"`` (the core's rule) and refuse dtypes the device cannot run."""
-    from ._hardware import resolve_auto
+    from .diagnostics.hardware import resolve_auto
 
     notes = []
     supported = _supported_compute_dtypes(device_type)
@@ -1111,7 +1111,7 @@ class Monitor:
     ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` loop). Every step record
     holds the loss (of the last ``scaler.scale`` call), the scale the step used, ``found_inf`` and
     ``skipped``. On steps 0, N, 2N, ... of the scaler's step counter (``every=N``) it also holds
-    each layer's gradient statistics (``ampbridge._runlog.layer_stats``: the gradients of the
+    each layer's gradient statistics (``ampbridge.diagnostics.runlog.layer_stats``: the gradients of the
     parameters the layer owns, before unscaling, in the layer's compute dtype), computed with
     torch ops on the device and read in one transfer. A step whose gradients were non-finite is
     always logged, with ``first_nonfinite``: the first leaf module (forward order) whose output was
@@ -1136,7 +1136,7 @@ class Monitor:
         >>> with amp.monitor(path, every=10):
         ...     for _ in range(3):
         ...         _ = amp.step(model(torch.ones(2, 4)).mean() * 1e-3, opt)
-        >>> log = ampbridge._runlog.read_log(path)
+        >>> log = ampbridge.diagnostics.runlog.read_log(path)
         >>> log.header["layers"], [s["step"] for s in log.steps], sorted(log.steps[0]["layers"])
         (['0', '1'], [0], ['0', '1'])
     """
@@ -1285,7 +1285,7 @@ class Monitor:
     def _layer_stats(self, scale: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
         """Per layer on the device: finite count, max |g/S|, sum (g/S)^2, zeros, below the smallest
         subnormal once unscaled (zeros included), zero once unscaled, beyond the compute max (scaled)."""
-        from ._dtypes import formats
+        from .core.dtypes import formats
 
         plan, facts, acc = self._amp.plan, formats(), self._acc
         fallback = facts[self._amp.active_policy.compute_dtype]
@@ -1435,8 +1435,8 @@ class Monitor:
     def _header(self) -> None:
         if self._writer is not None:
             return
-        from ._io import policy_to_dict
-        from ._runlog import RunLogWriter
+        from .core.io import policy_to_dict
+        from .diagnostics.runlog import RunLogWriter
 
         policy = self._amp.active_policy
         self._writer = RunLogWriter(self.path, framework="torch", compute_dtype=policy.compute_dtype,
@@ -1501,7 +1501,7 @@ def apply(model: nn.Module, policy: Policy | str | Path, device_type: str | None
         True
     """
     _check_model(model)
-    from ._env import effective_policy
+    from .diagnostics.environment import effective_policy
 
     given = _as_policy(policy)
     effective = effective_policy(given, "torch")  # the bisect switch; warns once, at the caller
@@ -1768,7 +1768,7 @@ def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, de
         >>> p["1"].note
         "follows its input's dtype: cpu autocast leaves Softmax alone (bfloat16 when fed by a bfloat16 layer)"
     """
-    from ._env import effective_policy
+    from .diagnostics.environment import effective_policy
 
     given = _as_policy(policy)
     policy = effective_policy(given, "torch", warn=False)  # what apply would run

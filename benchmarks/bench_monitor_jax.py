@@ -43,8 +43,8 @@ import optax
 
 import ampbridge
 import ampbridge.jax as abj
-from ampbridge._demo.flax_model import build, loss_fn
-from ampbridge._demo.model import Config, batches
+from ampbridge.cli.demo.flax_model import build, loss_fn
+from ampbridge.cli.demo.model import Config, batches
 
 
 def lowered_ops(text: str) -> int:

@@ -11,7 +11,7 @@ A linen module's tree exists only while Flax runs it, and an NNX copy is Flax's 
 table also shows what Flax itself takes for those on the same model: its module construction alone
 (every module created and called, no maths: the floor of any linen Plan), its abstract ``init``,
 and its fastest ``nnx.clone``. ampbridge pauses Python's cycle collector while it plans (see
-``ampbridge._plan.gc_paused``); Flax's rows run as Flax runs them. Each figure is the median of
+``ampbridge.core.plan.gc_paused``); Flax's rows run as Flax runs them. Each figure is the median of
 several rounds (Flax's abstract init: one round); building the models is not counted.
 
 Usage: python benchmarks/bench_scale.py [--frameworks torch,keras,jax,nnx] [--modules N] [--rounds R]

@@ -49,8 +49,8 @@ def module_path_of(name_stack: str) -> str:
 @pytest.fixture(scope="session")
 def demo():
     """The shared conformance model (Flax linen), its variables and a few batches."""
-    from ampbridge._demo.flax_model import build, loss_fn
-    from ampbridge._demo.model import batches
+    from ampbridge.cli.demo.flax_model import build, loss_fn
+    from ampbridge.cli.demo.model import batches
 
     model, variables = build()
     return model, variables, batches(30), loss_fn

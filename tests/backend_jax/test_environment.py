@@ -17,8 +17,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
-from ampbridge import Policy, _env, _hardware  # noqa: E402
-from ampbridge._hardware import Device  # noqa: E402
+from ampbridge import Policy  # noqa: E402
+from ampbridge.diagnostics import environment as _env, hardware as _hardware  # noqa: E402
+from ampbridge.diagnostics.hardware import Device  # noqa: E402
 
 TOKENS = jnp.zeros((2, 8), jnp.int32)
 
@@ -27,7 +28,7 @@ TOKENS = jnp.zeros((2, 8), jnp.int32)
 def fresh_switch(monkeypatch):
     monkeypatch.delenv("AMPBRIDGE_DISABLE", raising=False)
     monkeypatch.delenv("AMPBRIDGE_POLICY", raising=False)
-    monkeypatch.setattr(_env, "_said", set())
+    monkeypatch.setattr(ampbridge.errors, "_warned", set())
 
 
 def computed_dtypes(amp, variables, inspect):

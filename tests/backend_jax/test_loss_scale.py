@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge import LossScaleConfig  # noqa: E402
-from ampbridge._loss_scale import LossScaler, trajectory  # noqa: E402
+from ampbridge.core.loss_scale import LossScaler, trajectory  # noqa: E402
 
 CONFIGS = {
     "torch-like": LossScaleConfig(mode="dynamic", growth_interval=7),
@@ -94,7 +94,7 @@ def test_the_subnormal_range_is_followed_exactly():
 
 
 def test_exact_product_matches_float32_rounding():
-    from ampbridge._loss_scale import f32
+    from ampbridge.core.loss_scale import f32
 
     rng = np.random.default_rng(3)
     xs = np.concatenate([rng.integers(0, 0x7F800000, 3000), rng.integers(0, 0x00800000, 2000),

@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge import LossScaleConfig, Policy, Rule  # noqa: E402
-from ampbridge._runlog import STAT_KEYS, layer_stats, read_log  # noqa: E402
+from ampbridge.diagnostics.runlog import STAT_KEYS, layer_stats, read_log  # noqa: E402
 
 
 @jax.custom_vjp
@@ -347,7 +347,7 @@ def test_sampling_every_100_logs_statistics_on_0_100_200_and_every_skip(tmp_path
 
 
 def test_report_names_the_planted_layer_counts_skips_and_plots(tmp_path, capsys):
-    from ampbridge import _cli
+    from ampbridge.cli import main as _cli
 
     amp, params, opt_state, step, x, y, _ = setup(big=2000.0, policy=policy_with(scale=2.0 ** 12, min_scale=1.0))
     log = tmp_path / "run.jsonl"

@@ -12,10 +12,10 @@ from ampbridge._testing import require
 
 keras = require("keras")
 import ampbridge  # noqa: E402
-import ampbridge._env  # noqa: E402
-import ampbridge._hardware as hardware  # noqa: E402
+import ampbridge.diagnostics.environment  # noqa: E402
+import ampbridge.diagnostics.hardware as hardware  # noqa: E402
 import ampbridge.keras as ak  # noqa: E402
-from ampbridge._hardware import Device  # noqa: E402
+from ampbridge.diagnostics.hardware import Device  # noqa: E402
 
 L = keras.layers
 BACKEND = keras.backend.backend()
@@ -26,7 +26,7 @@ MIXED = ampbridge.preset("mixed_float16").replace(keep_float32=("kind:norm",))
 def _fresh_env(monkeypatch):
     monkeypatch.delenv("AMPBRIDGE_DISABLE", raising=False)
     monkeypatch.delenv("AMPBRIDGE_POLICY", raising=False)
-    monkeypatch.setattr(ampbridge._env, "_said", set())
+    monkeypatch.setattr(ampbridge.errors, "_warned", set())
 
 
 def _model(kx):

@@ -14,10 +14,10 @@ from ampbridge._testing import require
 
 keras = require("keras")
 import ampbridge  # noqa: E402
-import ampbridge._cli  # noqa: E402
+import ampbridge.cli.main  # noqa: E402
 import ampbridge.keras as ak  # noqa: E402
 from ampbridge import LossScaleConfig  # noqa: E402
-from ampbridge._runlog import layer_stats, read_log  # noqa: E402
+from ampbridge.diagnostics.runlog import layer_stats, read_log  # noqa: E402
 
 L = keras.layers
 ops = keras.ops
@@ -145,7 +145,7 @@ def test_forward_overflow_named_and_reported(kx, tmp_path):
 
     out = io.StringIO()
     with redirect_stdout(out):
-        code = ampbridge._cli.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")])
+        code = ampbridge.cli.main.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")])
     text = out.getvalue()
     assert code == 0, text
     assert "skipped steps: 6" in text and "boom (6)" in text and 'keep_float32 = ["boom"]' in text
@@ -328,7 +328,7 @@ def test_statistics_equal_numpy_reference(kx, tmp_path):
 def test_grad_stats_thresholds(compute_dtype, scale):
     """The device reduction against the reference on planted values around every threshold
     (just under and over the smallest subnormal once unscaled, the max, 0, inf, nan)."""
-    from ampbridge._dtypes import formats
+    from ampbridge.core.dtypes import formats
 
     fmt = formats()[compute_dtype]
     sub = fmt.smallest_subnormal * scale
@@ -395,7 +395,7 @@ def test_monitor_refuses_what_it_cannot_log(kx, tmp_path):
 
 def test_log_lines_are_the_shared_format(kx, tmp_path):
     """The header carries what every backend's header does; the policy is policy_to_dict's."""
-    from ampbridge._io import policy_to_dict
+    from ampbridge.core.io import policy_to_dict
 
     model = _chain(kx, [L.LayerNormalization(name="norm")])
     log = _fit_monitored(model, GENTLE.replace(keep_float32=("kind:norm",)), tmp_path / "run.jsonl", steps=1)

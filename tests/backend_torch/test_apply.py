@@ -83,8 +83,8 @@ def test_device_errors_are_clear(monkeypatch):
         abt.apply(small(), "mixed_bfloat16")
     with pytest.raises(UnsupportedOptionError, match=r"override\[0\].compute_dtype='bfloat16'"):
         abt.apply(small(), Policy(compute_dtype="float16", overrides=(Rule(("0",), compute_dtype="bf16"),)))
-    # auto is the core's decision (ampbridge._hardware): a CPU without native bfloat16 gets float32
-    from ampbridge._hardware import Device
+    # auto is the core's decision (ampbridge.diagnostics.hardware): a CPU without native bfloat16 gets float32
+    from ampbridge.diagnostics.hardware import Device
 
     monkeypatch.setattr(abt, "_device", lambda device_type: Device("cpu", cpu_flags=frozenset({"avx2"})))
     with pytest.warns(ampbridge.AmpBridgeWarning, match="chose float32"):
@@ -94,7 +94,7 @@ def test_device_errors_are_clear(monkeypatch):
 
 
 def test_the_real_cpu_capabilities_and_auto():
-    from ampbridge._hardware import auto_dtype
+    from ampbridge.diagnostics.hardware import auto_dtype
 
     assert abt._supported_compute_dtypes("cpu") == {"float32", "float16", "bfloat16"}
     chosen, reason = auto_dtype(abt._device("cpu"))

@@ -5,11 +5,11 @@ import contextlib
 import pytest
 
 import ampbridge
-import ampbridge._env
-import ampbridge._hardware
+import ampbridge.diagnostics.environment
+import ampbridge.diagnostics.hardware
 import ampbridge._testing
 from ampbridge import AmpBridgeWarning, Policy
-from ampbridge._hardware import Device, auto_dtype, cpu_flags
+from ampbridge.diagnostics.hardware import Device, auto_dtype, cpu_flags
 
 torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
@@ -21,9 +21,9 @@ nn = torch.nn
 def clean(monkeypatch):
     monkeypatch.delenv("AMPBRIDGE_DISABLE", raising=False)
     monkeypatch.delenv("AMPBRIDGE_POLICY", raising=False)
-    ampbridge._env._said.clear()
+    ampbridge.errors._warned.clear()
     yield
-    ampbridge._env._said.clear()
+    ampbridge.errors._warned.clear()
 
 
 def net():
@@ -102,7 +102,7 @@ def test_auto_detects_this_cpu_and_a_faked_cuda_through_torch(monkeypatch):
     assert amp.active_policy.compute_dtype == expected and f"compute_dtype auto -> {expected}: {reason}" in \
         amp.plan.notes
     # the CPU's flags come from /proc/cpuinfo: a CPU without AVX512_BF16/AMX-BF16 resolves to float32
-    monkeypatch.setattr(ampbridge._hardware, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
+    monkeypatch.setattr(ampbridge.diagnostics.hardware, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
     assert abt._device("cpu") == Device("cpu", cpu_flags=frozenset({"sse2", "avx2"}))
     # CUDA's capability comes from torch.cuda
     for capability, dtype in (((8, 6), "bfloat16"), ((7, 5), "float16")):

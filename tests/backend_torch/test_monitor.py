@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import ampbridge
-import ampbridge._cli
+import ampbridge.cli.main
 import ampbridge._testing
 from ampbridge import Policy, Rule
-from ampbridge._runlog import STAT_KEYS, layer_stats, read_log
+from ampbridge.diagnostics.runlog import STAT_KEYS, layer_stats, read_log
 
 torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
@@ -388,7 +388,7 @@ def test_report_names_the_planted_layer_and_counts_skips(tmp_path):
               contextlib.nullcontext())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert ampbridge._cli.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")]) == 0
+        assert ampbridge.cli.main.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")]) == 0
     text = out.getvalue()
     assert "skipped steps: 3 (5, 9, 10)" in text
     assert "first layer to go non-finite, by steps: 4 (3)" in text

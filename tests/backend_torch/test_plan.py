@@ -87,7 +87,7 @@ def test_explain_on_a_torch_model_through_the_cli(tmp_path, monkeypatch, capsys)
     """))
     (tmp_path / "amp.toml").write_text('extends = "mixed_float16"\nkeep_float32 = ["kind:norm"]\n')
     monkeypatch.chdir(tmp_path)
-    from ampbridge._cli import main
+    from ampbridge.cli.main import main
 
     assert main(["explain", "amp.toml", "--model", "ab_cli_models:build"]) == 0
     out = capsys.readouterr().out

@@ -240,8 +240,8 @@ def test_state_dict_round_trip_and_native_compatibility():
 def test_it_is_a_torch_grad_scaler_with_float32_factors():
     s = abt.GradScaler(LossScaleConfig(mode="dynamic", growth_factor=1.1, backoff_factor=0.3), "cpu")
     assert isinstance(s, torch.amp.GradScaler)
-    assert s.get_growth_factor() == ampbridge._loss_scale.f32(1.1) != 1.1
-    assert s.get_backoff_factor() == ampbridge._loss_scale.f32(0.3)
+    assert s.get_growth_factor() == ampbridge.core.loss_scale.f32(1.1) != 1.1
+    assert s.get_backoff_factor() == ampbridge.core.loss_scale.f32(0.3)
     import pickle
 
     s.scale(torch.ones(()))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ampbridge._cli import main
+from ampbridge.cli.main import main
 from ampbridge._testing import require
 
 ROOT = Path(__file__).resolve().parents[2]

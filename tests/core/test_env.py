@@ -3,7 +3,8 @@ import warnings
 import pytest
 
 import ampbridge
-from ampbridge._env import _said, effective_policy
+from ampbridge.diagnostics.environment import effective_policy
+from ampbridge.errors import _warned
 from ampbridge.errors import AmpBridgeWarning
 
 
@@ -11,7 +12,7 @@ from ampbridge.errors import AmpBridgeWarning
 def clean(monkeypatch):
     monkeypatch.delenv("AMPBRIDGE_DISABLE", raising=False)
     monkeypatch.delenv("AMPBRIDGE_POLICY", raising=False)
-    _said.clear()
+    _warned.clear()
 
 
 def test_no_variable_no_change():

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import ampbridge
 from ampbridge import Policy, PolicyError
-from ampbridge._policy import LOSS_SCALE_KEYS, PHASE_KEYS, TOP_KEYS
+from ampbridge.core.fields import LOSS_SCALE_KEYS, PHASE_KEYS, TOP_KEYS
 
 KEYS = list(TOP_KEYS) + list(LOSS_SCALE_KEYS) + list(PHASE_KEYS) + ["match", "reset", "colour"]
 SCALARS = st.one_of(
@@ -56,7 +56,7 @@ def test_random_documents_as_text(doc, fmt):
     outcome(lambda: ampbridge.loads(text, format=fmt))
 
 
-from ampbridge._cli import EXAMPLES  # noqa: E402
+from ampbridge.cli.main import EXAMPLES  # noqa: E402
 
 REFERENCE = (EXAMPLES / "reference.toml").read_text()
 

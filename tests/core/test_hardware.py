@@ -3,8 +3,8 @@ import warnings
 import pytest
 
 import ampbridge
-from ampbridge._doctor import doctor, native_dtypes
-from ampbridge._hardware import Device, auto_dtype, cpu_flags, resolve_auto
+from ampbridge.diagnostics.doctor import doctor, native_dtypes
+from ampbridge.diagnostics.hardware import Device, auto_dtype, cpu_flags, resolve_auto
 from ampbridge.errors import AmpBridgeWarning
 
 
@@ -56,7 +56,7 @@ def test_native_dtypes():
 
 
 def test_doctor_with_faked_probes(monkeypatch):
-    import ampbridge._doctor as d
+    import ampbridge.diagnostics.doctor as d
 
     fake = (("fakefw", "json", lambda: {"version": "1.0", "devices": [Device("cuda", "T4", (7, 5)), Device("cpu")],
                                          "matmul": "tf32 off"}),

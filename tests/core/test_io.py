@@ -171,7 +171,7 @@ def test_extends_a_relative_file_chain(tmp_path):
     (tmp_path / "base" / "root.yaml").write_text("compute_dtype: bf16\nkeep_float32: [kind:norm]\nloss_scale:\n  hysteresis: 2\n")
     (tmp_path / "base" / "mid.toml").write_text('extends = "root.yaml"\nparam_dtype = "bf16"\n[loss_scale]\nmin_scale = 2.0\n')
     (tmp_path / "top.json").write_text('{"extends": "base/mid.toml", "keep_float32": ["kind:embedding"]}')
-    p, origins = ampbridge._io.load_with_origins(tmp_path / "top.json")
+    p, origins = ampbridge.core.io.load_with_origins(tmp_path / "top.json")
     assert (p.compute_dtype, p.param_dtype, p.keep_float32) == ("bfloat16", "bfloat16", ("kind:embedding",))
     assert (p.loss_scale.hysteresis, p.loss_scale.min_scale) == (2, 2.0)
     assert origins["compute_dtype"].endswith("root.yaml")

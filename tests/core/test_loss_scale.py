@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from ampbridge import LossScaleConfig, LossScaleError, LossScaler, LossScaleState, initial_state, next_state, trajectory
-from ampbridge._loss_scale import f32
+from ampbridge.core.loss_scale import f32
 from ampbridge._testing import DeepSpeedDynamicLossScaler
 from ampbridge.errors import AmpBridgeWarning
 

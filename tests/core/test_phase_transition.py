@@ -1,7 +1,7 @@
-"""The loss-scale state at a phase boundary (``ampbridge._loss_scale.enter_phase``)."""
+"""The loss-scale state at a phase boundary (``ampbridge.core.loss_scale.enter_phase``)."""
 
 from ampbridge import LossScaleConfig
-from ampbridge._loss_scale import LossScaleState, enter_phase, trajectory
+from ampbridge.core.loss_scale import LossScaleState, enter_phase, trajectory
 
 DYN = LossScaleConfig(mode="dynamic", initial_scale=1024.0, growth_interval=3, hysteresis=2)
 DYN2 = DYN.replace(growth_factor=4.0, initial_scale=8.0)

@@ -112,7 +112,7 @@ def test_differences_row_by_row():
 def test_adjust_hook_and_notes():
     def cpu_autocast(row):
         if row.kind == "norm" and row.rule == "default":
-            return ampbridge._plan.with_note(row, "autocast runs layer_norm in float32", compute_dtype="float32")
+            return ampbridge.core.plan.with_note(row, "autocast runs layer_norm in float32", compute_dtype="float32")
         return row
 
     pl = plan(Policy(compute_dtype="float16"), adjust=cpu_autocast, notes=["device cpu"])
@@ -170,7 +170,7 @@ def test_rule_index_agrees_with_the_definition():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from ampbridge._plan import _RuleIndex
+    from ampbridge.core.plan import _RuleIndex
 
     segment = st.sampled_from(["enc", "dec", "layers", "0", "1", "norm", "attn", "proj", "head"])
     paths = st.lists(segment, min_size=1, max_size=4).map(".".join)

@@ -5,10 +5,10 @@ import pytest
 
 import ampbridge
 
-CORE_MODULES = ["ampbridge", "ampbridge.errors", "ampbridge._dtypes", "ampbridge._matching", "ampbridge._policy",
-                "ampbridge._io", "ampbridge._loss_scale", "ampbridge._plan", "ampbridge._schema", "ampbridge._table",
-                "ampbridge._registry", "ampbridge._testing", "ampbridge._cli", "ampbridge._hardware", "ampbridge._env",
-                "ampbridge._runlog", "ampbridge._report", "ampbridge._doctor", "ampbridge._demo.run"]
+CORE_MODULES = ["ampbridge", "ampbridge.errors", "ampbridge.core.dtypes", "ampbridge.core.matching", "ampbridge.core.policy", "ampbridge.core.fields",
+                "ampbridge.core.io", "ampbridge.core.loss_scale", "ampbridge.core.plan", "ampbridge.core.schema", "ampbridge.core.table",
+                "ampbridge.core.registry", "ampbridge._testing", "ampbridge.cli.main", "ampbridge.cli.common", "ampbridge.backends.common", "ampbridge.diagnostics.hardware", "ampbridge.diagnostics.environment",
+                "ampbridge.diagnostics.runlog", "ampbridge.diagnostics.report", "ampbridge.diagnostics.doctor", "ampbridge.cli.demo.run"]
 
 
 def test_every_public_name_exists():

@@ -7,7 +7,7 @@ import pytest
 
 from ampbridge import LossScaleConfig, LossScaleState, Policy, PolicyError, UnsupportedOptionError
 from ampbridge import recipes
-from ampbridge._loss_scale import f32
+from ampbridge.core.loss_scale import f32
 
 HERE = Path(__file__).parent / "recipes"
 

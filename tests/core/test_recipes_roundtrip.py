@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from ampbridge import LossScaleConfig, Policy, PolicyError, Rule, UnsupportedOptionError
 from ampbridge import recipes
-from ampbridge._loss_scale import f32
+from ampbridge.core.loss_scale import f32
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ("float32", "float16", "bfloat16")

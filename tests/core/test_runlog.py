@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from ampbridge._report import advise, format_summary, plot, summarize
-from ampbridge._runlog import RunLogWriter, layer_stats, read_log
+from ampbridge.diagnostics.report import advise, format_summary, plot, summarize
+from ampbridge.diagnostics.runlog import RunLogWriter, layer_stats, read_log
 from ampbridge._testing import require
 
 np = require("numpy")
@@ -89,7 +89,7 @@ def test_bad_logs(tmp_path, text, message):
 
 
 def test_report_cli(tmp_path, capsys):
-    from ampbridge._cli import main
+    from ampbridge.cli.main import main
 
     path = tmp_path / "run.jsonl"
     write_run(path, [(65536.0, False, None, 0.0)] * 3 + [(65536.0, True, "embed", 0.0)])

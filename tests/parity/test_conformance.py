@@ -1,6 +1,6 @@
 """One policy, three frameworks: the same Plan, the same loss-scale trajectory, the same training.
 
-The demo model (``ampbridge._demo``) is defined in torch, Keras and Flax with the same layer names
+The demo model (``ampbridge.cli.demo``) is defined in torch, Keras and Flax with the same layer names
 and the same initial weights (one numpy seed), trained with SGD on the same batches. At the steps
 in ``inject`` the loss is multiplied by inf, so those steps' gradients are non-finite in every
 framework and dtype; the initial scales are small enough that no other step overflows, so the
@@ -16,7 +16,7 @@ import pytest
 
 import ampbridge
 from ampbridge import LossScaleConfig
-from ampbridge._loss_scale import enter_phase, initial_state, next_state
+from ampbridge.core.loss_scale import enter_phase, initial_state, next_state
 from ampbridge._testing import require
 
 for _name in ("torch", "keras", "jax", "flax", "optax", "jmp", "numpy"):
@@ -24,7 +24,7 @@ for _name in ("torch", "keras", "jax", "flax", "optax", "jmp", "numpy"):
 
 import numpy as np  # noqa: E402
 
-from ampbridge._demo.runners import FRAMEWORKS, RUNNERS  # noqa: E402
+from ampbridge.cli.demo.runners import FRAMEWORKS, RUNNERS  # noqa: E402
 
 STEPS = 50
 PINS = ("kind:norm", "kind:embedding")

@@ -2,7 +2,7 @@
 
 import re
 
-from ampbridge._cli import main
+from ampbridge.cli.main import main
 from ampbridge._testing import require
 
 for _name in ("torch", "keras", "jax", "flax", "optax", "jmp", "matplotlib"):

@@ -4,7 +4,7 @@ The schema describes the file's shape (keys, types, ranges, enums); the loader's
 further (patterns must compile, phases must be ordered, min_scale <= max_scale).
 
 Example:
-    >>> from ampbridge._schema import json_schema
+    >>> from ampbridge.core.schema import json_schema
     >>> json_schema()["properties"]["loss_scale"]["properties"]["mode"]["default"]
     'auto'
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._policy import LOSS_SCALE_FIELDS, PHASE_BOUNDS, RULE_FIELDS, TOP_FIELDS, FieldSpec
+from .fields import LOSS_SCALE_FIELDS, PHASE_BOUNDS, RULE_FIELDS, TOP_FIELDS, FieldSpec
 
 SCHEMA_ID = "https://ampbridge.invalid/schema/policy-v1.json"
 

@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import AmpBridgeWarning
+from ..errors import AmpBridgeWarning
 
 __all__ = ["Device", "auto_dtype", "cpu_flags", "resolve_auto", "BF16_CPU_FLAGS"]
 
@@ -98,7 +98,6 @@ def resolve_auto(policy, device: Device, *, warn: bool = True):  # -> tuple[Poli
     Returns the resolved policy and the reason (None when nothing was ``auto``). Warns when the
     choice is float32 on a CPU because bfloat16 would be emulated.
     """
-    from ._policy import Phase
 
     uses_auto = policy.compute_dtype == "auto" or any(p.policy.compute_dtype == "auto" for p in policy.phases)
     if not uses_auto:

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ._matching import KINDS, Pattern, compile_pattern
-from ._policy import Policy
-from ._table import render_table
-from .errors import UnmatchedRuleWarning
+from ..errors import UnmatchedRuleWarning
+from .matching import KINDS, Pattern, compile_pattern
+from .policy import Policy
+from .table import render_table
 
 __all__ = ["Layer", "PlanRow", "Plan", "RowResolver", "build_plan", "layers_from_data"]
 
@@ -156,11 +156,9 @@ class Plan:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
-        from ._io import policy_to_dict
-
         return {
             "framework": self.framework,
-            "policy": policy_to_dict(self.policy),
+            "policy": self.policy.to_dict(),
             "rows": [asdict(r) for r in self.rows],
             "unmatched_rules": list(self.unmatched_rules),
             "notes": list(self.notes),

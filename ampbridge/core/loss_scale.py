@@ -50,8 +50,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._policy import LossScaleConfig
-from .errors import AmpBridgeWarning, LossScaleError
+from ..errors import AmpBridgeWarning, LossScaleError
+from .policy import LossScaleConfig
 
 __all__ = ["LossScaleState", "LossScaler", "initial_state", "next_state", "trajectory", "enter_phase", "f32"]
 

@@ -35,7 +35,7 @@ def backend_module(name: str) -> ModuleType:
     """Import an adapter by backend name or alias (``"pt"``, ``"flax"``, ...)."""
     name = ALIASES.get(name, name)
     if name not in BACKENDS:
-        from .errors import UnknownBackendError
+        from ..errors import UnknownBackendError
 
         raise UnknownBackendError(f"unknown backend {name!r}; accepted: {', '.join(BACKENDS)} "
                                   f"(aliases: {', '.join(ALIASES)})")

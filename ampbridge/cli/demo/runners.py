@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._loss_scale import LossScaleState
-from .._plan import Plan
-from .._policy import Policy
+from ...core.loss_scale import LossScaleState
+from ...core.plan import Plan
+from ...core.policy import Policy
 from .model import CONFIG, batches
 
 FRAMEWORKS = ("torch", "keras", "jax")

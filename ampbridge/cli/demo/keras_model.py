@@ -1,4 +1,4 @@
-"""The demo model in Keras 3 (see ``ampbridge._demo``); works on every Keras backend."""
+"""The demo model in Keras 3 (see ``ampbridge.cli.demo``); works on every Keras backend."""
 
 from __future__ import annotations
 

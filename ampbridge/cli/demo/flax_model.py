@@ -1,4 +1,4 @@
-"""The demo model in Flax linen (see ``ampbridge._demo``)."""
+"""The demo model in Flax linen (see ``ampbridge.cli.demo``)."""
 
 from __future__ import annotations
 

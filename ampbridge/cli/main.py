@@ -21,17 +21,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _io
-from ._dtypes import format_table, formats
-from ._plan import Plan, build_plan, layers_from_data
-from ._policy import LOSS_SCALE_FIELDS, TOP_FIELDS, Policy
-from .errors import AmpBridgeError, PolicyError, Problem
-
-EXAMPLES = Path(__file__).parent / "examples"
-
-
-class UsageError(Exception):
-    """Bad usage: exit status 2."""
+from ..core import io as _io
+from ..core.dtypes import format_table, formats
+from ..core.plan import Plan, build_plan, layers_from_data
+from ..core.policy import Policy
+from ..errors import AmpBridgeError, PolicyError, Problem
+from .common import EXAMPLES, UsageError, defaults_notes
 
 
 def _example_policy() -> Path:
@@ -56,34 +51,6 @@ def _at(policy: Policy, at: dict[str, int] | None) -> Policy:
     return policy.at(**at)
 
 
-def _defaults_notes(policy: Policy, origins: dict[str, str], main_source: str) -> dict[str, str]:
-    """End-of-line comments for ``show``: which keys were defaulted, which came from a base."""
-    notes: dict[str, str] = {}
-    for spec in TOP_FIELDS:
-        if spec.name == "version":
-            continue
-        src = origins.get(spec.name)
-        if src is None:
-            notes[spec.name] = "default" if spec.name != "reduce_dtype" else "default: param_dtype"
-        elif src != main_source:
-            notes[spec.name] = f"from {_short(src)}"
-    for spec in LOSS_SCALE_FIELDS:
-        key = f"loss_scale.{spec.name}"
-        src = origins.get(key)
-        if src is None:
-            notes[key] = "default"
-        elif src != main_source:
-            notes[key] = f"from {_short(src)}"
-    return notes
-
-
-def _short(source: str) -> str:
-    try:
-        return os.path.relpath(source)
-    except ValueError:
-        return source
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     status = 0
     for name in args.files:
@@ -106,11 +73,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         policy = _at(policy, at)
         where = ", ".join(f"{k} {v}" for k, v in at.items())
         print(f"# the settings in force at {where}", file=sys.stderr if args.format == "json" else sys.stdout)
-    notes = {} if args.format == "json" else _defaults_notes(policy, origins, str(args.file))
+    notes = {} if args.format == "json" else defaults_notes(policy, origins, str(args.file))
     data = _io.policy_to_dict(policy)
     sys.stdout.write(_io.render(data, args.format, notes))
     if args.format == "json":
-        filled = sorted(k for k, v in _defaults_notes(policy, origins, str(args.file)).items() if v.startswith("default"))
+        filled = sorted(k for k, v in defaults_notes(policy, origins, str(args.file)).items() if v.startswith("default"))
         print(f"defaults filled: {', '.join(filled) or 'none'}", file=sys.stderr)
     return 0
 
@@ -197,15 +164,15 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from ._schema import json_schema
+    from ..core.schema import json_schema
 
     print(json.dumps(json_schema(), indent=2))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ._report import format_summary, plot, summarize
-    from ._runlog import read_log
+    from ..diagnostics.report import format_summary, plot, summarize
+    from ..diagnostics.runlog import read_log
 
     try:
         log = read_log(args.log)
@@ -223,7 +190,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from ._doctor import doctor
+    from ..diagnostics.doctor import doctor
 
     frameworks = [f.strip() for f in args.frameworks.split(",")] if args.frameworks else None
     print(doctor(frameworks))
@@ -236,7 +203,7 @@ _POLICY_SUFFIXES = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "
 
 
 def _auto_arg(text: str) -> str:
-    from .recipes import _trainer_dtype
+    from ..recipes import _trainer_dtype
 
     try:
         return _trainer_dtype(text, "--auto")
@@ -246,7 +213,7 @@ def _auto_arg(text: str) -> str:
 
 def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: Any) -> Any:
     """A file, a ``FORMAT:VALUE`` (the value a file or a name), or a bare precision name -> its Conversion."""
-    from . import recipes
+    from .. import recipes
 
     head, sep, rest = spec.partition(":")
     if sep and head in recipes.READ_FORMATS and fmt in (None, head) and not Path(spec).exists():
@@ -283,8 +250,8 @@ def _render_result(result: Any, fmt: str, conversion: Any) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from . import recipes
-    from ._policy import LossScaleConfig
+    from .. import recipes
+    from ..core.policy import LossScaleConfig
 
     src = _read_recipe(args.src, args.src_format, args)
     result = src.result
@@ -336,8 +303,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from . import recipes
-    from ._io import PRESETS, preset
+    from .. import recipes
+    from ..core.io import PRESETS, preset
 
     if not Path(args.policy).exists() and args.policy in PRESETS:
         ref = recipes.Conversion(preset(args.policy), source_format="ampbridge",
@@ -397,7 +364,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo.run import run_demo
+    from .demo.run import run_demo
 
     return run_demo(args)
 
@@ -431,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only-ruled", action="store_true", help="hide the rows the defaults decided")
     p.set_defaults(run=cmd_explain)
 
-    from .recipes import DEEPSPEED_RELEASES, READ_FORMATS, WRITE_FORMATS
+    from ..recipes import DEEPSPEED_RELEASES, READ_FORMATS, WRITE_FORMATS
 
     p = sub.add_parser("convert", help="read another tool's AMP settings (or a policy) and write them as an "
                        "ampbridge policy or for another tool; every setting that cannot be carried over is listed")
@@ -492,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return f"ampbridge {__version__}"
 

@@ -170,6 +170,6 @@ def format_table() -> str:
         )
         for f in _FORMATS.values()
     ]
-    from ._table import render_table
+    from .table import render_table
 
     return render_table(header, rows)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ._dtypes import formats
+from ..core.dtypes import formats
 
 LOG_VERSION = 1
 STAT_KEYS = ("grad_max_abs", "grad_rms", "zero", "nonfinite", "underflow", "overflow")

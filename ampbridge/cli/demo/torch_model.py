@@ -1,4 +1,4 @@
-"""The demo model in PyTorch (see ``ampbridge._demo``)."""
+"""The demo model in PyTorch (see ``ampbridge.cli.demo``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The policy model: frozen ``Policy``, ``LossScaleConfig``, ``Rule`` and ``Phase``.
+"""Each policy key's check, default and schema, and the collector that gathers problems.
 
 One table of fields (``TOP_FIELDS``, ``LOSS_SCALE_FIELDS``, ``RULE_FIELDS``) drives
 validation, defaults, the JSON Schema and the canonical dump, so the four never disagree.
@@ -20,11 +20,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._dtypes import COMPUTE_DTYPES, DTYPE_ALIASES, STORAGE_DTYPES, canonical_dtype
-from ._matching import compile_pattern
-from .errors import PolicyError, Problem
-
-__all__ = ["Policy", "LossScaleConfig", "Rule", "Phase", "FLOAT32_MAX"]
+from ..errors import PolicyError, Problem
+from .dtypes import COMPUTE_DTYPES, DTYPE_ALIASES, STORAGE_DTYPES, canonical_dtype
+from .matching import compile_pattern
 
 FLOAT32_MAX = math.ldexp(2.0 - math.ldexp(1.0, -23), 127)
 
@@ -69,7 +67,7 @@ def check_compute_dtype(v: Any) -> str:
 def _choice(*choices: str) -> Callable[[Any], str]:
     def check(v: Any) -> str:
         if not isinstance(v, str) or v not in choices:
-            from ._matching import did_you_mean
+            from .matching import did_you_mean
 
             hint = did_you_mean(v, choices) if isinstance(v, str) else None
             raise Invalid("not one of the accepted values", " | ".join(choices), hint)
@@ -308,124 +306,6 @@ def check_pattern_list(patterns: Iterable[Any], where: Callable[[int], KeyPath],
                     accepted=None if has_accepted else (e.accepted or _PATTERN_ACCEPTED))
 
 
-# --- the frozen objects -----------------------------------------------------------------------
-
-def _set(obj: Any, **values: Any) -> None:
-    for k, v in values.items():
-        object.__setattr__(obj, k, v)
-
-
-@dataclass(frozen=True)
-class LossScaleConfig:
-    """Loss-scale settings; see DESIGN.md "Loss scaling: the reference algorithm".
-
-    Example:
-        >>> LossScaleConfig(growth_interval=100).resolve("float16").mode
-        'dynamic'
-    """
-
-    mode: str = "auto"
-    initial_scale: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    consecutive_hysteresis: bool = False
-    min_scale: float | None = None
-    max_scale: float | None = None
-    on_min_scale: str = "clamp"
-    skip_nonfinite: bool = True
-
-    def __post_init__(self) -> None:
-        out = Collector()
-        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values = check_fields(LOSS_SCALE_FIELDS, raw, lambda k: ("loss_scale", k), out)
-        check_loss_scale_consistency(values, lambda k: ("loss_scale", k), out)
-        out.raise_if_any()
-        _set(self, **values)
-
-    def resolve(self, compute_dtype: str) -> "LossScaleConfig":
-        """Resolve ``mode = "auto"``: dynamic when computing in float16, none otherwise."""
-        if self.mode != "auto":
-            return self
-        return dataclasses.replace(self, mode="dynamic" if compute_dtype == "float16" else "none")
-
-    def replace(self, **changes: Any) -> "LossScaleConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in LOSS_SCALE_FIELDS
-                if getattr(self, f.name) is not None}
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One override: the layers ``match`` selects, and the dtypes it sets (None: policy's).
-
-    Example:
-        >>> Rule("decoder.**.attn", compute_dtype="fp32").match
-        ('decoder.**.attn',)
-    """
-
-    match: tuple[str, ...]
-    compute_dtype: str | None = None
-    param_dtype: str | None = None
-    output_dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        out = Collector()
-        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values = check_fields(RULE_FIELDS, raw, lambda k: ("override", k), out)
-        if values["match"] is not None:
-            check_pattern_list(values["match"], lambda i: ("override", "match", i), out)
-        if all(values[k] is None for k in ("compute_dtype", "param_dtype", "output_dtype")):
-            out.add(("override",), "an override must set at least one of compute_dtype, "
-                    "param_dtype, output_dtype")
-        out.raise_if_any()
-        _set(self, **values)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"match": self.match[0] if len(self.match) == 1 else list(self.match)}
-        for k in ("compute_dtype", "param_dtype", "output_dtype"):
-            if getattr(self, k) is not None:
-                d[k] = getattr(self, k)
-        return d
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One entry of a precision schedule: the settings in force until a step or epoch.
-
-    ``policy`` is the complete policy while the phase lasts (top-level keys with the
-    phase's keys laid over them). ``until_epoch``/``until_step`` is exclusive; a phase with
-    neither lasts for ever and must be the last one.
-    """
-
-    policy: "Policy"
-    until_epoch: int | None = None
-    until_step: int | None = None
-    reset_loss_scale: bool = False
-
-    def __post_init__(self) -> None:
-        if self.until_epoch is not None and self.until_step is not None:
-            raise PolicyError([Problem("a phase ends at until_epoch or until_step, not both",
-                                       key="phase")])
-        for name in PHASE_BOUNDS:
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise PolicyError([Problem("must be an integer >= 1", key=f"phase.{name}", value=v)])
-        if self.policy.phases:
-            raise PolicyError([Problem("a phase cannot hold phases of its own", key="phase")])
-
-    @property
-    def unit(self) -> str | None:
-        return "epoch" if self.until_epoch is not None else "step" if self.until_step is not None else None
-
-    @property
-    def until(self) -> int | None:
-        return self.until_epoch if self.until_epoch is not None else self.until_step
-
-
 def check_phase_order(bounds: "Iterable[tuple[str | None, int | None]]", out: Collector) -> None:
     """Check a schedule's ``(unit, until)`` pairs: one unit, increasing ends, only the last open."""
     bounds = list(bounds)
@@ -447,120 +327,3 @@ def check_phase_order(bounds: "Iterable[tuple[str | None, int | None]]", out: Co
                     f"this phase ends at or before the previous one ({previous})", value=until,
                     accepted=f"an integer > {previous}")
         previous = until
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A complete, validated mixed-precision policy (frozen; compare and hash by value).
-
-    Example:
-        >>> p = Policy(compute_dtype="bfloat16", keep_float32=("kind:norm", "lm_head"))
-        >>> [label for label, _ in p.rules]
-        ['keep_float32[0]', 'keep_float32[1]']
-    """
-
-    compute_dtype: str = "float32"
-    param_dtype: str = "float32"
-    output_dtype: str = "float32"
-    reduce_dtype: str | None = None
-    matmul_precision: str = "highest"
-    keep_float32: tuple[str, ...] = ()
-    overrides: tuple[Rule, ...] = ()
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    phases: tuple[Phase, ...] = ()
-    version: int = 1
-    source: str | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        out = Collector()
-        raw = {f.name: getattr(self, f.name) for f in TOP_FIELDS}
-        values = check_fields(TOP_FIELDS, raw, lambda k: (k,), out)
-        check_pattern_list(values["keep_float32"], lambda i: ("keep_float32", i), out)
-        if values["reduce_dtype"] is None:
-            values["reduce_dtype"] = values["param_dtype"]
-        overrides = tuple(r if isinstance(r, Rule) else Rule(**r) for r in self.overrides)
-        loss_scale = self.loss_scale
-        if isinstance(loss_scale, Mapping):
-            loss_scale = LossScaleConfig(**loss_scale)
-        if not isinstance(loss_scale, LossScaleConfig):
-            out.add(("loss_scale",), "must be a LossScaleConfig or a table", value=loss_scale)
-        phases = tuple(self.phases)
-        if not all(isinstance(p, Phase) for p in phases):
-            out.add(("phase",), "must be a sequence of Phase objects")
-        else:
-            check_phase_order([(p.unit, p.until) for p in phases], out)
-        out.raise_if_any()
-        _set(self, overrides=overrides, loss_scale=loss_scale, phases=phases, **values)
-
-    # --- derived views ---
-
-    @property
-    def rules(self) -> tuple[tuple[str, Rule], ...]:
-        """Every pinning rule in the order they apply (later wins): keep_float32, then overrides."""
-        pins = tuple((f"keep_float32[{i}]", Rule((p,), "float32", "float32", "float32"))
-                     for i, p in enumerate(self.keep_float32))
-        return pins + tuple((f"override[{i}]", r) for i, r in enumerate(self.overrides))
-
-    @property
-    def resolved_loss_scale(self) -> LossScaleConfig:
-        """The loss-scale settings with ``mode = "auto"`` resolved against ``compute_dtype``."""
-        return self.loss_scale.resolve(self.compute_dtype)
-
-    @property
-    def phase_unit(self) -> str | None:
-        """``"epoch"`` or ``"step"`` when the policy has a schedule, else None."""
-        return next((p.unit for p in self.phases if p.unit), None)
-
-    def phase_index(self, *, step: int | None = None, epoch: int | None = None) -> int | None:
-        """Index of the phase in force, or None when no phase is (no schedule, or past the last)."""
-        if not self.phases:
-            return None
-        unit = self.phase_unit
-        value = epoch if unit == "epoch" else step
-        if unit is None:
-            return 0
-        if value is None:
-            raise ValueError(f"this policy's phases are scheduled by {unit}; pass {unit}=")
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{unit} must be an integer >= 0, got {value!r}")
-        for i, p in enumerate(self.phases):
-            if p.until is None or value < p.until:
-                return i
-        return None
-
-    def at(self, *, step: int | None = None, epoch: int | None = None) -> "Policy":
-        """The policy in force at a step or epoch: the phase's settings, without the schedule.
-
-        Example:
-            >>> import ampbridge
-            >>> p = ampbridge.loads('''
-            ... compute_dtype = "float16"
-            ... [[phase]]
-            ... until_epoch = 2
-            ... compute_dtype = "float32"
-            ... ''')
-            >>> p.at(epoch=1).compute_dtype, p.at(epoch=2).compute_dtype
-            ('float32', 'float16')
-        """
-        if not self.phases:
-            return self
-        i = self.phase_index(step=step, epoch=epoch)
-        chosen = self.phases[i].policy if i is not None else dataclasses.replace(self, phases=())
-        return dataclasses.replace(chosen, source=self.source)
-
-    def replace(self, **changes: Any) -> "Policy":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The canonical plain-data form (what ``dumps`` writes); phases hold only their changes."""
-        from ._io import policy_to_dict
-
-        return policy_to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Policy":
-        """Build a policy from plain data with the file loader's checks (the inverse of to_dict)."""
-        from ._io import policy_from_dict
-
-        return policy_from_dict(data)

@@ -1,7 +1,7 @@
 """``ampbridge report``: what a numerics log says, and what to do about it.
 
 Example:
-    >>> from ampbridge._runlog import RunLog
+    >>> from ampbridge.diagnostics.runlog import RunLog
     >>> log = RunLog({"kind": "run", "framework": "jax", "compute_dtype": "float16", "layers": ["a"],
     ...               "min_scale": 1.0}, [{"step": 0, "loss": 1.0, "loss_scale": 1.0, "found_inf": True,
     ...               "skipped": True, "first_nonfinite": {"path": "a", "where": "output"}, "layers": {}}])
@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._runlog import RunLog
-from ._table import render_table
+from ..core.table import render_table
+from .runlog import RunLog
 
 #: a layer is flagged when this fraction of its gradients would underflow without scaling
 UNDERFLOW_WARN = 0.01
@@ -130,7 +130,7 @@ def plot(log: RunLog, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from .errors import BackendUnavailableError
+        from ..errors import BackendUnavailableError
 
         raise BackendUnavailableError("--plot needs matplotlib. Install with: pip install 'ampbridge[plot]'") from None
     steps = [s["step"] for s in log.steps]

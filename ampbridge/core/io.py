@@ -3,7 +3,7 @@
 Reading is three steps: parse the text (remembering the line of every key, so an error can
 point at it), resolve ``extends`` (a preset name or a file relative to the one that names it;
 tables merge key by key, everything else is replaced), then validate the merged document
-with the checks of :mod:`ampbridge._policy`, collecting every problem before raising.
+with the checks of :mod:`ampbridge.core.policy`, collecting every problem before raising.
 
 Writing is canonical: a fixed key order, canonical dtype names, every setting spelled out,
 so ``load(dumps(p)) == p`` and ``dumps(load(dumps(p))) == dumps(p)``.
@@ -27,28 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._matching import did_you_mean
-from ._policy import (
-    LOSS_SCALE_FIELDS,
-    LOSS_SCALE_KEYS,
-    PHASE_BOUNDS,
-    PHASE_KEYS,
-    RULE_FIELDS,
-    TOP_FIELDS,
-    TOP_KEYS,
-    Collector,
-    KeyPath,
-    LossScaleConfig,
-    Phase,
-    Policy,
-    Rule,
-    check_fields,
-    check_loss_scale_consistency,
-    check_pattern_list,
-    check_phase_order,
-    key_text,
-)
-from .errors import BackendUnavailableError, PolicyError, Problem
+from ..errors import BackendUnavailableError, PolicyError, Problem
+from .fields import Collector, KeyPath, key_text
+from .matching import did_you_mean
+from .policy import Policy, build, check_document_shape, policy_to_dict
 
 __all__ = ["load", "loads", "dumps", "dump", "preset", "PRESETS", "load_with_origins"]
 
@@ -301,54 +283,6 @@ class _Merged:
         return doc.source, doc.locate(path)
 
 
-def _check_keys(data: Mapping[str, Any], accepted: tuple[str, ...], path: KeyPath, out: Collector,
-                what: str) -> None:
-    for key in data:
-        if key not in accepted:
-            hint = did_you_mean(str(key), accepted)
-            if hint is None and key in LOSS_SCALE_KEYS and "loss_scale" in accepted:
-                hint = "it belongs in the [loss_scale] table"
-            out.add(path + (key,), f"unknown key in {what}" + (f"; {hint}" if hint else ""),
-                    accepted=", ".join(accepted))
-
-
-def _check_document_shape(data: Any, doc: _Doc, out: Collector) -> dict[str, Any]:
-    """Unknown keys and table shapes of one document, reported against that document."""
-    if not isinstance(data, dict):
-        out.add((), "a policy document must be a table/mapping at the top level",
-                value=data)
-        return {}
-    _check_keys(data, TOP_KEYS, (), out, "the policy")
-    if "loss_scale" in data:
-        if isinstance(data["loss_scale"], dict):
-            _check_keys(data["loss_scale"], LOSS_SCALE_KEYS, ("loss_scale",), out, "[loss_scale]")
-        else:
-            out.add(("loss_scale",), "must be a table", value=data["loss_scale"],
-                    accepted="a [loss_scale] table of " + ", ".join(LOSS_SCALE_KEYS))
-    for key, keys, what in (("override", tuple(f.name for f in RULE_FIELDS), "[[override]]"),
-                            ("phase", PHASE_KEYS, "[[phase]]")):
-        if key not in data:
-            continue
-        items = data[key]
-        if not isinstance(items, list) or not all(isinstance(t, dict) for t in items):
-            out.add((key,), f"must be an array of tables ({what})", value=items)
-            continue
-        for i, table in enumerate(items):
-            _check_keys(table, keys, (key, i), out, f"{what} number {i}")
-            if key == "phase":
-                for j, rule in enumerate(table.get("override", []) if isinstance(table.get("override"), list) else []):
-                    if isinstance(rule, dict):
-                        _check_keys(rule, tuple(f.name for f in RULE_FIELDS), (key, i, "override", j), out,
-                                    "[[phase.override]]")
-                ls = table.get("loss_scale")
-                if isinstance(ls, dict):
-                    _check_keys(ls, LOSS_SCALE_KEYS + ("reset",), (key, i, "loss_scale"), out,
-                                "[phase.loss_scale]")
-                elif ls is not None:
-                    out.add((key, i, "loss_scale"), "must be a table", value=ls)
-    return data
-
-
 def _read_file(path: Path) -> tuple[str, str, tuple[str, ...]]:
     """Text, format and root table of a policy file (``pyproject.toml``: ``tool.ampbridge``)."""
     fmt = _SUFFIXES.get(path.suffix.lower())
@@ -385,99 +319,6 @@ def _merge_into(merged: _Merged, data: Mapping[str, Any], doc: _Doc) -> None:
 
 
 # --- building the Policy ---------------------------------------------------------------------
-
-def _build_settings(raw: Mapping[str, Any], where: Callable[[KeyPath], KeyPath], out: Collector) -> dict[str, Any]:
-    """Check the non-schedule settings of ``raw`` and return Policy keyword arguments."""
-    values = check_fields(TOP_FIELDS, raw, lambda k: where((k,)), out)
-    check_pattern_list(values["keep_float32"], lambda i: where(("keep_float32", i)), out)
-    ls_raw = raw.get("loss_scale", {})
-    ls_values = check_fields(LOSS_SCALE_FIELDS, ls_raw if isinstance(ls_raw, dict) else {},
-                             lambda k: where(("loss_scale", k)), out)
-    check_loss_scale_consistency(ls_values, lambda k: where(("loss_scale", k)), out)
-    rules: list[Rule] = []
-    overrides = raw.get("override", [])
-    if not isinstance(overrides, list):
-        overrides = []  # the shape error is already reported
-    for i, rule in enumerate(overrides):
-        if not isinstance(rule, dict):
-            continue
-        r_values = check_fields(RULE_FIELDS, rule, lambda k, i=i: where(("override", i, k)), out)
-        if "match" not in rule:
-            out.add(where(("override", i)), "an override needs a match key", accepted="match = PATTERN")
-            continue
-        if r_values["match"] is None:
-            continue
-        check_pattern_list(r_values["match"], lambda j, i=i: where(("override", i, "match", j)), out)
-        if all(r_values[k] is None for k in ("compute_dtype", "param_dtype", "output_dtype")):
-            out.add(where(("override", i)), "an override must set at least one of compute_dtype, "
-                    "param_dtype, output_dtype")
-            continue
-        rules.append(r_values)  # type: ignore[arg-type]
-    values["overrides"] = rules
-    values["loss_scale"] = ls_values
-    return values
-
-
-def _construct(values: dict[str, Any]) -> Policy:
-    kwargs = dict(values)
-    kwargs["overrides"] = tuple(Rule(**r) for r in values["overrides"])
-    kwargs["loss_scale"] = LossScaleConfig(**values["loss_scale"])
-    return Policy(**kwargs)
-
-
-def _build(merged: _Merged, source: str | None, out: Collector) -> Policy | None:
-    data = merged.data
-    base_settings = {k: v for k, v in data.items() if k not in ("phase", "extends")}
-    values = _build_settings(base_settings, lambda p: p, out)
-    phases_raw = data.get("phase", [])
-    phase_values: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    if isinstance(phases_raw, list):
-        for i, table in enumerate(phases_raw):
-            if not isinstance(table, dict):
-                continue
-            settings = {k: v for k, v in base_settings.items() if k != "version"}
-            for k, v in table.items():
-                if k in PHASE_BOUNDS:
-                    continue
-                if k == "loss_scale" and isinstance(v, dict):
-                    ls = dict(settings.get("loss_scale", {}) if isinstance(settings.get("loss_scale"), dict) else {})
-                    ls.update({sk: sv for sk, sv in v.items() if sk != "reset"})
-                    settings["loss_scale"] = ls
-                else:
-                    settings[k] = v
-
-            def where(path: KeyPath, i: int = i, table: dict = table) -> KeyPath:
-                head = path[0]
-                if head == "loss_scale" and len(path) > 1:
-                    own = isinstance(table.get("loss_scale"), dict) and path[1] in table["loss_scale"]
-                    return ("phase", i) + tuple(path) if own else tuple(path)
-                return ("phase", i) + tuple(path) if head in table else tuple(path)
-
-            p_values = _build_settings(settings, where, out)
-            bounds: dict[str, Any] = {}
-            for b in PHASE_BOUNDS:
-                if b in table:
-                    v = table[b]
-                    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                        out.add(("phase", i, b), "must be an integer >= 1", value=v, accepted="an integer >= 1")
-                    else:
-                        bounds[b] = v
-            if len(bounds) == 2:
-                out.add(("phase", i), "a phase ends at until_epoch or until_step, not both")
-                bounds.pop("until_step")
-            reset = table.get("loss_scale", {}).get("reset", False) if isinstance(table.get("loss_scale"), dict) else False
-            if not isinstance(reset, bool):
-                out.add(("phase", i, "loss_scale", "reset"), "must be a boolean", value=reset, accepted="true | false")
-                reset = False
-            bounds["reset_loss_scale"] = reset
-            phase_values.append((p_values, bounds))
-    check_phase_order([(("epoch" if "until_epoch" in b else "step" if "until_step" in b else None),
-                        b.get("until_epoch", b.get("until_step"))) for _, b in phase_values], out)
-    if out.problems:
-        return None
-    phases = tuple(Phase(policy=_construct(pv), **b) for pv, b in phase_values)
-    return _construct(values).replace(phases=phases, source=source)
-
 
 def _locating(locate: Locate, source: str) -> Callable[[KeyPath], tuple[str | None, int | None]]:
     return lambda path: (source, locate(path))
@@ -525,7 +366,7 @@ def _load_document_located(data: Any, doc: _Doc, base_dir: Path, chain: tuple[st
     out = Collector(_locating(doc.locate, doc.source))
     merged = _resolve_located(data, doc, base_dir, chain, out)
     out._locate = merged.where  # value problems point at the file the key came from
-    policy = _build(merged, doc.source if doc.source != "<string>" else None, out)
+    policy = build(merged.data, doc.source if doc.source != "<string>" else None, out)
     if policy is None or out.problems:
         raise PolicyError(sorted(out.problems, key=lambda p: (p.file or "", p.line or 0)))
     return policy, merged
@@ -536,7 +377,7 @@ def _resolve_located(data: Any, doc: _Doc, base_dir: Path, chain: tuple[str, ...
     saved = out._locate
     out._locate = _locating(doc.locate, doc.source)
     try:
-        data = _check_document_shape(data, doc, out)
+        data = check_document_shape(data, out)
     finally:
         out._locate = saved
     merged = _Merged()
@@ -606,8 +447,7 @@ def loads(text: str, format: str = "toml", *, source: str | None = None,
 
 def policy_from_dict(data: Mapping[str, Any]) -> Policy:
     """Build a Policy from plain data (the shape ``to_dict`` and the JSON file use)."""
-    doc = _Doc("<dict>", lambda p: None)
-    return _load_document_located(dict(data), doc, Path.cwd(), ())[0]
+    return Policy.from_dict(data)
 
 
 def preset(name: str) -> Policy:
@@ -627,46 +467,6 @@ def preset(name: str) -> Policy:
 
 
 # --- writing -----------------------------------------------------------------------------------
-
-_SETTING_KEYS = tuple(f.name for f in TOP_FIELDS if f.name != "version")
-
-
-def _settings_dict(p: Policy) -> dict[str, Any]:
-    d: dict[str, Any] = {k: getattr(p, k) for k in _SETTING_KEYS}
-    d["keep_float32"] = list(p.keep_float32)
-    d["loss_scale"] = p.loss_scale.to_dict()
-    d["override"] = [r.to_dict() for r in p.overrides]
-    return d
-
-
-def policy_to_dict(p: Policy) -> dict[str, Any]:
-    """Canonical plain data for a policy: every setting, phases holding only their changes."""
-    d: dict[str, Any] = {"version": p.version}
-    base = _settings_dict(p)
-    d.update(base)
-    if not d["override"]:
-        del d["override"]
-    if p.phases:
-        phases = []
-        for ph in p.phases:
-            entry: dict[str, Any] = {}
-            if ph.unit:
-                entry[f"until_{ph.unit}"] = ph.until
-            mine = _settings_dict(ph.policy)
-            for k in _SETTING_KEYS + ("override",):
-                if k == "loss_scale":
-                    continue
-                if mine[k] != base[k]:
-                    entry[k] = mine[k]
-            ls = {k: v for k, v in mine["loss_scale"].items() if base["loss_scale"].get(k) != v}
-            if ph.reset_loss_scale:
-                ls["reset"] = True
-            if ls:
-                entry["loss_scale"] = ls
-            phases.append(entry)
-        d["phase"] = phases
-    return d
-
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):

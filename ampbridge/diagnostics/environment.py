@@ -16,17 +16,15 @@ Example:
 from __future__ import annotations
 
 import os
-import warnings
 
-from .errors import AmpBridgeWarning
+from ..errors import warn_once
 
-_said: set[str] = set()
 _FALSE = ("", "0", "false", "no", "off")
 
 
 def effective_policy(policy, framework: str, *, warn: bool = True):
     """The policy a backend must apply: ``policy`` unless the environment replaces it."""
-    from ._io import PRESETS, load, preset
+    from ..core.io import PRESETS, load, preset
 
     disable = os.environ.get("AMPBRIDGE_DISABLE", "").strip().lower()
     override = os.environ.get("AMPBRIDGE_POLICY", "").strip()
@@ -37,7 +35,6 @@ def effective_policy(policy, framework: str, *, warn: bool = True):
         why = f"AMPBRIDGE_POLICY={override}: using that policy instead of the one given"
     else:
         return policy
-    if warn and why not in _said:
-        _said.add(why)
-        warnings.warn(f"ampbridge ({framework}): {why}", AmpBridgeWarning, stacklevel=3)
+    if warn:
+        warn_once(f"ampbridge ({framework}): {why}", key=why, stacklevel=3)
     return replacement

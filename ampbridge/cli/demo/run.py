@@ -1,6 +1,6 @@
 """``ampbridge demo [POLICY]``: one policy, trained in every installed framework, side by side.
 
-It trains the demo model (``ampbridge._demo``) with the policy (the shipped ``examples/amp.toml``
+It trains the demo model (``ampbridge.cli.demo``) with the policy (the shipped ``examples/amp.toml``
 by default) in torch, Keras and Flax, with one injected overflow step, and prints the Plan (one
 table when the three agree), the loss-scale trajectory, the skipped steps, the final loss and the
 step time against the framework's own AMP. ``--plot FILE.png`` draws loss and loss scale per
@@ -19,11 +19,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .. import _io
-from .._plan import Plan, build_plan, layers_from_data
-from .._table import render_table
+from ...core import io as _io
+from ...core.plan import Plan, build_plan, layers_from_data
+from ...core.table import render_table
+from ..common import EXAMPLES, UsageError, defaults_notes
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
 _NEEDS = {"torch": ("torch",), "keras": ("keras",), "jax": ("jax", "flax", "optax", "jmp")}
 
 
@@ -95,7 +95,7 @@ def plot_runs(runs: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from ..errors import BackendUnavailableError
+        from ...errors import BackendUnavailableError
 
         raise BackendUnavailableError("--plot needs matplotlib. Install with: pip install 'ampbridge[plot]'") from None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
@@ -121,8 +121,6 @@ def plot_runs(runs: dict[str, Any], path: str) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .._cli import UsageError, _defaults_notes
-
     path = Path(args.policy) if args.policy else EXAMPLES / "amp.toml"
     policy, origins = _io.load_with_origins(path)
     available = installed_frameworks()
@@ -141,7 +139,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.steps < 4:
         raise UsageError("--steps must be at least 4")
     print(f"== policy {path.name}")
-    print(_io.render(_io.policy_to_dict(policy), "toml", _defaults_notes(policy, origins, str(path))))
+    print(_io.render(_io.policy_to_dict(policy), "toml", defaults_notes(policy, origins, str(path))))
     if not frameworks:
         layers = layers_from_data(json.loads((EXAMPLES / "layers.json").read_text()), "layers.json")
         print("== no framework installed: the Plan for the demo model's layers (pip install 'ampbridge[all]' to train)")

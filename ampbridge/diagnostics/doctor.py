@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ._hardware import BF16_CPU_FLAGS, Device, auto_dtype, cpu_flags
-from ._table import render_table
+from ..core.table import render_table
+from .hardware import BF16_CPU_FLAGS, Device, auto_dtype, cpu_flags
 
 FP16_CPU_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
 
@@ -57,7 +57,7 @@ def _tensorflow() -> dict[str, Any]:
             devices.append(Device("cuda", details.get("device_name", d.name), details.get("compute_capability")))
         elif d.device_type == "TPU":
             devices.append(Device("tpu", d.name))
-    from ._hardware import tensorflow_bfloat16_rounding
+    from .hardware import tensorflow_bfloat16_rounding
 
     rounding = tensorflow_bfloat16_rounding()
     matmul = (f"TF32 execution enabled={tf.config.experimental.tensor_float_32_execution_enabled()}; "

@@ -1,0 +1,72 @@
+"""What every backend shares, framework-free: the policy a backend runs (a Policy, a preset name
+or a file; the bisect switch; ``compute_dtype = "auto"``) and the clear error for a missing extra.
+
+Example:
+    >>> import ampbridge
+    >>> policy, notes = resolve_policy("mixed_bfloat16", "jax", device=lambda: None)
+    >>> policy.compute_dtype, notes
+    ('bfloat16', ())
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..core.io import PRESETS, load, preset
+from ..core.policy import Policy
+from ..diagnostics.environment import effective_policy
+from ..diagnostics.hardware import Device, resolve_auto
+from ..errors import BackendUnavailableError
+
+#: the extra that installs each backend's framework
+EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "keras"}
+
+
+def as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:
+    """A Policy from a Policy, a preset name or a policy file path."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, (str, Path)):
+        return preset(str(policy)) if str(policy) in PRESETS else load(policy)
+    raise TypeError(f"policy must be an ampbridge.Policy, a preset name ({', '.join(PRESETS)}) or a "
+                    f"policy file path; received {policy!r} (of type {type(policy).__name__})")
+
+
+def environment(policy: Policy | str | os.PathLike[str], framework: str, *,
+                warn: bool = True) -> tuple[Policy, tuple[str, ...]]:
+    """The policy after the bisect switch (``AMPBRIDGE_DISABLE`` / ``AMPBRIDGE_POLICY``), and the
+    Plan note saying it replaced the one given (warned once per process)."""
+    given = as_policy(policy)
+    effective = effective_policy(given, framework, warn=warn)
+    if effective is given:
+        return given, ()
+    return effective, (f"the environment replaced the policy given ({given.source or 'in code'}) with "
+                       f"{effective.source or 'another'} (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY)",)
+
+
+def resolve_policy(policy: Policy | str | os.PathLike[str], framework: str, device: Callable[[], Device | Any],
+                   *, warn: bool = True) -> tuple[Policy, tuple[str, ...]]:
+    """The policy a backend applies and the notes saying why it differs from the one given: the
+    bisect switch, then ``compute_dtype = "auto"`` decided for ``device()`` (asked only then)."""
+    policy, notes = environment(policy, framework, warn=warn)
+    uses_auto = policy.compute_dtype == "auto" or any(p.policy.compute_dtype == "auto" for p in policy.phases)
+    if not uses_auto:
+        return policy, notes
+    policy, why = resolve_auto(policy, device(), warn=warn)
+    return policy, notes + ((why,) if why else ())
+
+
+def import_framework(module: str, backend: str) -> ModuleType:
+    """Import a backend's framework, or raise the ``BackendUnavailableError`` naming its extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        extra = EXTRAS.get(module.split(".")[0], backend)
+        raise BackendUnavailableError(
+            f"ampbridge.{backend} needs {module.split('.')[0]!r}, which is not installed ({e}). "
+            f"Install with: pip install 'ampbridge[{extra}]'") from e

@@ -1,0 +1,466 @@
+"""The policy model: frozen ``Policy``, ``LossScaleConfig``, ``Rule`` and ``Phase``, and how a
+plain document (a parsed file, ``to_dict``'s output) becomes one.
+
+Objects validate themselves on construction (aliases such as ``"bf16"`` are normalised) with the
+checks of :mod:`ampbridge.core.fields`; the file loader runs the very same checks with file and
+line attached.
+
+Example:
+    >>> from ampbridge import Policy, LossScaleConfig
+    >>> p = Policy(compute_dtype="fp16", keep_float32=["kind:norm"])
+    >>> p.compute_dtype, p.reduce_dtype, p.loss_scale.resolve("float16").mode
+    ('float16', 'float32', 'dynamic')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import PolicyError, Problem
+from .fields import (
+    FLOAT32_MAX,
+    LOSS_SCALE_FIELDS,
+    LOSS_SCALE_KEYS,
+    PHASE_BOUNDS,
+    PHASE_KEYS,
+    RULE_FIELDS,
+    TOP_FIELDS,
+    TOP_KEYS,
+    Collector,
+    KeyPath,
+    check_fields,
+    check_loss_scale_consistency,
+    check_pattern_list,
+    check_phase_order,
+)
+from .matching import did_you_mean
+
+__all__ = ["Policy", "LossScaleConfig", "Rule", "Phase", "FLOAT32_MAX"]
+
+
+# --- the frozen objects -----------------------------------------------------------------------
+
+def _set(obj: Any, **values: Any) -> None:
+    for k, v in values.items():
+        object.__setattr__(obj, k, v)
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Loss-scale settings; see DESIGN.md "Loss scaling: the reference algorithm".
+
+    Example:
+        >>> LossScaleConfig(growth_interval=100).resolve("float16").mode
+        'dynamic'
+    """
+
+    mode: str = "auto"
+    initial_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float | None = None
+    max_scale: float | None = None
+    on_min_scale: str = "clamp"
+    skip_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        out = Collector()
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = check_fields(LOSS_SCALE_FIELDS, raw, lambda k: ("loss_scale", k), out)
+        check_loss_scale_consistency(values, lambda k: ("loss_scale", k), out)
+        out.raise_if_any()
+        _set(self, **values)
+
+    def resolve(self, compute_dtype: str) -> "LossScaleConfig":
+        """Resolve ``mode = "auto"``: dynamic when computing in float16, none otherwise."""
+        if self.mode != "auto":
+            return self
+        return dataclasses.replace(self, mode="dynamic" if compute_dtype == "float16" else "none")
+
+    def replace(self, **changes: Any) -> "LossScaleConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in LOSS_SCALE_FIELDS
+                if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One override: the layers ``match`` selects, and the dtypes it sets (None: policy's).
+
+    Example:
+        >>> Rule("decoder.**.attn", compute_dtype="fp32").match
+        ('decoder.**.attn',)
+    """
+
+    match: tuple[str, ...]
+    compute_dtype: str | None = None
+    param_dtype: str | None = None
+    output_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        out = Collector()
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = check_fields(RULE_FIELDS, raw, lambda k: ("override", k), out)
+        if values["match"] is not None:
+            check_pattern_list(values["match"], lambda i: ("override", "match", i), out)
+        if all(values[k] is None for k in ("compute_dtype", "param_dtype", "output_dtype")):
+            out.add(("override",), "an override must set at least one of compute_dtype, "
+                    "param_dtype, output_dtype")
+        out.raise_if_any()
+        _set(self, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"match": self.match[0] if len(self.match) == 1 else list(self.match)}
+        for k in ("compute_dtype", "param_dtype", "output_dtype"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One entry of a precision schedule: the settings in force until a step or epoch.
+
+    ``policy`` is the complete policy while the phase lasts (top-level keys with the
+    phase's keys laid over them). ``until_epoch``/``until_step`` is exclusive; a phase with
+    neither lasts for ever and must be the last one.
+    """
+
+    policy: "Policy"
+    until_epoch: int | None = None
+    until_step: int | None = None
+    reset_loss_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.until_epoch is not None and self.until_step is not None:
+            raise PolicyError([Problem("a phase ends at until_epoch or until_step, not both",
+                                       key="phase")])
+        for name in PHASE_BOUNDS:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise PolicyError([Problem("must be an integer >= 1", key=f"phase.{name}", value=v)])
+        if self.policy.phases:
+            raise PolicyError([Problem("a phase cannot hold phases of its own", key="phase")])
+
+    @property
+    def unit(self) -> str | None:
+        return "epoch" if self.until_epoch is not None else "step" if self.until_step is not None else None
+
+    @property
+    def until(self) -> int | None:
+        return self.until_epoch if self.until_epoch is not None else self.until_step
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A complete, validated mixed-precision policy (frozen; compare and hash by value).
+
+    Example:
+        >>> p = Policy(compute_dtype="bfloat16", keep_float32=("kind:norm", "lm_head"))
+        >>> [label for label, _ in p.rules]
+        ['keep_float32[0]', 'keep_float32[1]']
+    """
+
+    compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    output_dtype: str = "float32"
+    reduce_dtype: str | None = None
+    matmul_precision: str = "highest"
+    keep_float32: tuple[str, ...] = ()
+    overrides: tuple[Rule, ...] = ()
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    phases: tuple[Phase, ...] = ()
+    version: int = 1
+    source: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        out = Collector()
+        raw = {f.name: getattr(self, f.name) for f in TOP_FIELDS}
+        values = check_fields(TOP_FIELDS, raw, lambda k: (k,), out)
+        check_pattern_list(values["keep_float32"], lambda i: ("keep_float32", i), out)
+        if values["reduce_dtype"] is None:
+            values["reduce_dtype"] = values["param_dtype"]
+        overrides = tuple(r if isinstance(r, Rule) else Rule(**r) for r in self.overrides)
+        loss_scale = self.loss_scale
+        if isinstance(loss_scale, Mapping):
+            loss_scale = LossScaleConfig(**loss_scale)
+        if not isinstance(loss_scale, LossScaleConfig):
+            out.add(("loss_scale",), "must be a LossScaleConfig or a table", value=loss_scale)
+        phases = tuple(self.phases)
+        if not all(isinstance(p, Phase) for p in phases):
+            out.add(("phase",), "must be a sequence of Phase objects")
+        else:
+            check_phase_order([(p.unit, p.until) for p in phases], out)
+        out.raise_if_any()
+        _set(self, overrides=overrides, loss_scale=loss_scale, phases=phases, **values)
+
+    # --- derived views ---
+
+    @property
+    def rules(self) -> tuple[tuple[str, Rule], ...]:
+        """Every pinning rule in the order they apply (later wins): keep_float32, then overrides."""
+        pins = tuple((f"keep_float32[{i}]", Rule((p,), "float32", "float32", "float32"))
+                     for i, p in enumerate(self.keep_float32))
+        return pins + tuple((f"override[{i}]", r) for i, r in enumerate(self.overrides))
+
+    @property
+    def resolved_loss_scale(self) -> LossScaleConfig:
+        """The loss-scale settings with ``mode = "auto"`` resolved against ``compute_dtype``."""
+        return self.loss_scale.resolve(self.compute_dtype)
+
+    @property
+    def phase_unit(self) -> str | None:
+        """``"epoch"`` or ``"step"`` when the policy has a schedule, else None."""
+        return next((p.unit for p in self.phases if p.unit), None)
+
+    def phase_index(self, *, step: int | None = None, epoch: int | None = None) -> int | None:
+        """Index of the phase in force, or None when no phase is (no schedule, or past the last)."""
+        if not self.phases:
+            return None
+        unit = self.phase_unit
+        value = epoch if unit == "epoch" else step
+        if unit is None:
+            return 0
+        if value is None:
+            raise ValueError(f"this policy's phases are scheduled by {unit}; pass {unit}=")
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{unit} must be an integer >= 0, got {value!r}")
+        for i, p in enumerate(self.phases):
+            if p.until is None or value < p.until:
+                return i
+        return None
+
+    def at(self, *, step: int | None = None, epoch: int | None = None) -> "Policy":
+        """The policy in force at a step or epoch: the phase's settings, without the schedule.
+
+        Example:
+            >>> import ampbridge
+            >>> p = ampbridge.loads('''
+            ... compute_dtype = "float16"
+            ... [[phase]]
+            ... until_epoch = 2
+            ... compute_dtype = "float32"
+            ... ''')
+            >>> p.at(epoch=1).compute_dtype, p.at(epoch=2).compute_dtype
+            ('float32', 'float16')
+        """
+        if not self.phases:
+            return self
+        i = self.phase_index(step=step, epoch=epoch)
+        chosen = self.phases[i].policy if i is not None else dataclasses.replace(self, phases=())
+        return dataclasses.replace(chosen, source=self.source)
+
+    def replace(self, **changes: Any) -> "Policy":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical plain-data form (what ``dumps`` writes); phases hold only their changes."""
+        return policy_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Policy":
+        """Build a policy from plain data with the file loader's checks (the inverse of to_dict).
+
+        ``extends`` is a file's business: :func:`ampbridge.loads` resolves it, ``from_dict`` refuses it.
+        """
+        out = Collector()
+        data = check_document_shape(dict(data) if isinstance(data, Mapping) else data, out)
+        if "extends" in data:
+            out.add(("extends",), "from_dict takes a whole policy; extends is resolved by ampbridge.load/loads",
+                    value=data["extends"])
+        policy = build({k: v for k, v in data.items() if k != "extends"}, None, out)
+        if policy is None or out.problems:
+            raise PolicyError(out.problems)
+        return policy
+
+
+# --- from and to plain data ------------------------------------------------------------------
+
+def check_keys(data: Mapping[str, Any], accepted: tuple[str, ...], path: KeyPath, out: Collector,
+                what: str) -> None:
+    for key in data:
+        if key not in accepted:
+            hint = did_you_mean(str(key), accepted)
+            if hint is None and key in LOSS_SCALE_KEYS and "loss_scale" in accepted:
+                hint = "it belongs in the [loss_scale] table"
+            out.add(path + (key,), f"unknown key in {what}" + (f"; {hint}" if hint else ""),
+                    accepted=", ".join(accepted))
+
+
+def check_document_shape(data: Any, out: Collector) -> dict[str, Any]:
+    """Unknown keys and table shapes of one document, reported against that document."""
+    if not isinstance(data, dict):
+        out.add((), "a policy document must be a table/mapping at the top level",
+                value=data)
+        return {}
+    check_keys(data, TOP_KEYS, (), out, "the policy")
+    if "loss_scale" in data:
+        if isinstance(data["loss_scale"], dict):
+            check_keys(data["loss_scale"], LOSS_SCALE_KEYS, ("loss_scale",), out, "[loss_scale]")
+        else:
+            out.add(("loss_scale",), "must be a table", value=data["loss_scale"],
+                    accepted="a [loss_scale] table of " + ", ".join(LOSS_SCALE_KEYS))
+    for key, keys, what in (("override", tuple(f.name for f in RULE_FIELDS), "[[override]]"),
+                            ("phase", PHASE_KEYS, "[[phase]]")):
+        if key not in data:
+            continue
+        items = data[key]
+        if not isinstance(items, list) or not all(isinstance(t, dict) for t in items):
+            out.add((key,), f"must be an array of tables ({what})", value=items)
+            continue
+        for i, table in enumerate(items):
+            check_keys(table, keys, (key, i), out, f"{what} number {i}")
+            if key == "phase":
+                for j, rule in enumerate(table.get("override", []) if isinstance(table.get("override"), list) else []):
+                    if isinstance(rule, dict):
+                        check_keys(rule, tuple(f.name for f in RULE_FIELDS), (key, i, "override", j), out,
+                                    "[[phase.override]]")
+                ls = table.get("loss_scale")
+                if isinstance(ls, dict):
+                    check_keys(ls, LOSS_SCALE_KEYS + ("reset",), (key, i, "loss_scale"), out,
+                                "[phase.loss_scale]")
+                elif ls is not None:
+                    out.add((key, i, "loss_scale"), "must be a table", value=ls)
+    return data
+
+
+def build_settings(raw: Mapping[str, Any], where: Callable[[KeyPath], KeyPath], out: Collector) -> dict[str, Any]:
+    """Check the non-schedule settings of ``raw`` and return Policy keyword arguments."""
+    values = check_fields(TOP_FIELDS, raw, lambda k: where((k,)), out)
+    check_pattern_list(values["keep_float32"], lambda i: where(("keep_float32", i)), out)
+    ls_raw = raw.get("loss_scale", {})
+    ls_values = check_fields(LOSS_SCALE_FIELDS, ls_raw if isinstance(ls_raw, dict) else {},
+                             lambda k: where(("loss_scale", k)), out)
+    check_loss_scale_consistency(ls_values, lambda k: where(("loss_scale", k)), out)
+    rules: list[Rule] = []
+    overrides = raw.get("override", [])
+    if not isinstance(overrides, list):
+        overrides = []  # the shape error is already reported
+    for i, rule in enumerate(overrides):
+        if not isinstance(rule, dict):
+            continue
+        r_values = check_fields(RULE_FIELDS, rule, lambda k, i=i: where(("override", i, k)), out)
+        if "match" not in rule:
+            out.add(where(("override", i)), "an override needs a match key", accepted="match = PATTERN")
+            continue
+        if r_values["match"] is None:
+            continue
+        check_pattern_list(r_values["match"], lambda j, i=i: where(("override", i, "match", j)), out)
+        if all(r_values[k] is None for k in ("compute_dtype", "param_dtype", "output_dtype")):
+            out.add(where(("override", i)), "an override must set at least one of compute_dtype, "
+                    "param_dtype, output_dtype")
+            continue
+        rules.append(r_values)  # type: ignore[arg-type]
+    values["overrides"] = rules
+    values["loss_scale"] = ls_values
+    return values
+
+
+def construct(values: dict[str, Any]) -> Policy:
+    kwargs = dict(values)
+    kwargs["overrides"] = tuple(Rule(**r) for r in values["overrides"])
+    kwargs["loss_scale"] = LossScaleConfig(**values["loss_scale"])
+    return Policy(**kwargs)
+
+
+def build(data: Mapping[str, Any], source: str | None, out: Collector) -> Policy | None:
+    """The Policy of a merged plain document (``extends`` resolved), or None when ``out`` holds problems."""
+    base_settings = {k: v for k, v in data.items() if k not in ("phase", "extends")}
+    values = build_settings(base_settings, lambda p: p, out)
+    phases_raw = data.get("phase", [])
+    phase_values: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    if isinstance(phases_raw, list):
+        for i, table in enumerate(phases_raw):
+            if not isinstance(table, dict):
+                continue
+            settings = {k: v for k, v in base_settings.items() if k != "version"}
+            for k, v in table.items():
+                if k in PHASE_BOUNDS:
+                    continue
+                if k == "loss_scale" and isinstance(v, dict):
+                    ls = dict(settings.get("loss_scale", {}) if isinstance(settings.get("loss_scale"), dict) else {})
+                    ls.update({sk: sv for sk, sv in v.items() if sk != "reset"})
+                    settings["loss_scale"] = ls
+                else:
+                    settings[k] = v
+
+            def where(path: KeyPath, i: int = i, table: dict = table) -> KeyPath:
+                head = path[0]
+                if head == "loss_scale" and len(path) > 1:
+                    own = isinstance(table.get("loss_scale"), dict) and path[1] in table["loss_scale"]
+                    return ("phase", i) + tuple(path) if own else tuple(path)
+                return ("phase", i) + tuple(path) if head in table else tuple(path)
+
+            p_values = build_settings(settings, where, out)
+            bounds: dict[str, Any] = {}
+            for b in PHASE_BOUNDS:
+                if b in table:
+                    v = table[b]
+                    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                        out.add(("phase", i, b), "must be an integer >= 1", value=v, accepted="an integer >= 1")
+                    else:
+                        bounds[b] = v
+            if len(bounds) == 2:
+                out.add(("phase", i), "a phase ends at until_epoch or until_step, not both")
+                bounds.pop("until_step")
+            reset = table.get("loss_scale", {}).get("reset", False) if isinstance(table.get("loss_scale"), dict) else False
+            if not isinstance(reset, bool):
+                out.add(("phase", i, "loss_scale", "reset"), "must be a boolean", value=reset, accepted="true | false")
+                reset = False
+            bounds["reset_loss_scale"] = reset
+            phase_values.append((p_values, bounds))
+    check_phase_order([(("epoch" if "until_epoch" in b else "step" if "until_step" in b else None),
+                        b.get("until_epoch", b.get("until_step"))) for _, b in phase_values], out)
+    if out.problems:
+        return None
+    phases = tuple(Phase(policy=construct(pv), **b) for pv, b in phase_values)
+    return construct(values).replace(phases=phases, source=source)
+
+
+_SETTING_KEYS = tuple(f.name for f in TOP_FIELDS if f.name != "version")
+
+
+def _settings_dict(p: Policy) -> dict[str, Any]:
+    d: dict[str, Any] = {k: getattr(p, k) for k in _SETTING_KEYS}
+    d["keep_float32"] = list(p.keep_float32)
+    d["loss_scale"] = p.loss_scale.to_dict()
+    d["override"] = [r.to_dict() for r in p.overrides]
+    return d
+
+
+def policy_to_dict(p: Policy) -> dict[str, Any]:
+    """Canonical plain data for a policy: every setting, phases holding only their changes."""
+    d: dict[str, Any] = {"version": p.version}
+    base = _settings_dict(p)
+    d.update(base)
+    if not d["override"]:
+        del d["override"]
+    if p.phases:
+        phases = []
+        for ph in p.phases:
+            entry: dict[str, Any] = {}
+            if ph.unit:
+                entry[f"until_{ph.unit}"] = ph.until
+            mine = _settings_dict(ph.policy)
+            for k in _SETTING_KEYS + ("override",):
+                if k == "loss_scale":
+                    continue
+                if mine[k] != base[k]:
+                    entry[k] = mine[k]
+            ls = {k: v for k, v in mine["loss_scale"].items() if base["loss_scale"].get(k) != v}
+            if ph.reset_loss_scale:
+                ls["reset"] = True
+            if ls:
+                entry["loss_scale"] = ls
+            phases.append(entry)
+        d["phase"] = phases
+    return d
