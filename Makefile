@@ -1,4 +1,5 @@
 # `make demo` and `make test` each build the virtual environment they need.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 CORE_VENV := .venv-core
@@ -22,7 +23,9 @@ $(CORE_VENV)/.stamp: pyproject.toml constraints.txt
 demo: $(VENV)/.stamp
 	$(VENV)/bin/ampbridge demo
 
-test: test-core test-all
+# prints its wall and CPU time at the end (bash's time counts every child process)
+test:
+	@TIMEFORMAT='make test: %0R s wall, %0U s user + %0S s system CPU'; time $(MAKE) --no-print-directory test-core test-all
 
 test-core: $(CORE_VENV)/.stamp
 	$(CORE_VENV)/bin/python -m pytest tests/core -q
