@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -30,24 +31,12 @@ from typing import Any
 from ..errors import BackendUnavailableError, PolicyError, Problem
 from .fields import Collector, KeyPath, key_text
 from .matching import did_you_mean
-from .policy import Policy, build, check_document_shape, policy_to_dict
+from .policy import PRESETS, Policy, build, check_document_shape, policy_to_dict
 
 __all__ = ["load", "loads", "dumps", "dump", "preset", "PRESETS", "load_with_origins"]
 
 FORMATS = ("toml", "yaml", "json")
 _SUFFIXES = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
-
-#: The built-in presets (Keras policy names where Keras has one).
-PRESETS: dict[str, dict[str, Any]] = {
-    "float32": {"compute_dtype": "float32", "param_dtype": "float32", "output_dtype": "float32"},
-    "mixed_float16": {"compute_dtype": "float16", "param_dtype": "float32", "output_dtype": "float32",
-                      "loss_scale": {"mode": "dynamic"}},
-    "mixed_bfloat16": {"compute_dtype": "bfloat16", "param_dtype": "float32", "output_dtype": "float32"},
-    "bfloat16": {"compute_dtype": "bfloat16", "param_dtype": "bfloat16", "output_dtype": "bfloat16"},
-    "float16": {"compute_dtype": "float16", "param_dtype": "float16", "output_dtype": "float16",
-                "loss_scale": {"mode": "dynamic"}},
-}
-
 
 # --- parsing with line numbers -----------------------------------------------------------------
 
@@ -149,8 +138,11 @@ def _json_lines(text: str) -> dict[KeyPath, int]:
     decoder = json.JSONDecoder()
     pos = 0
 
+    # the offsets of every newline, found once: a position's line is a binary search (linear overall)
+    newlines = [m.start() for m in re.finditer("\n", text)]
+
     def line_at(i: int) -> int:
-        return text.count("\n", 0, i) + 1
+        return bisect.bisect_left(newlines, i) + 1
 
     def skip_ws(i: int) -> int:
         while i < len(text) and text[i] in " \t\r\n":
@@ -290,7 +282,7 @@ def _read_file(path: Path) -> tuple[str, str, tuple[str, ...]]:
         raise PolicyError([Problem("cannot tell the policy format from the file name", file=str(path),
                                    accepted="a name ending in .toml, .yaml, .yml or .json, or pyproject.toml")])
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the policy
     except FileNotFoundError:
         raise PolicyError([Problem("no such file", file=str(path))]) from None
     except (OSError, UnicodeDecodeError) as e:
@@ -354,7 +346,11 @@ def load_with_origins(path: str | os.PathLike[str]) -> tuple[Policy, dict[str, s
 def _loads_with_origins(text: str, fmt: str, source: str | None, base_dir: Path,
                         root: tuple[str, ...] = (), chain: tuple[str, ...] = ()) -> tuple[Policy, dict[str, str]]:
     where = source or "<string>"
-    data, locate = _parse(text, fmt, where, root)
+    data, locate = _parse(text.removeprefix("\ufeff"), fmt, where, root)
+    if data == {} or data is None:
+        table = f" [{'.'.join(root)}] table" if root else ""
+        raise PolicyError([Problem(f"the policy{table} is empty: it sets nothing", file=where,
+                                   hint='write version = 1 for an all-float32 policy, or extends = "mixed_float16"')])
     doc = _Doc(where, locate)
     # shape problems are reported while resolving; give the collector this document's lines
     policy, merged = _load_document_located(data, doc, base_dir, chain)

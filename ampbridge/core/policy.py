@@ -38,7 +38,18 @@ from .fields import (
 )
 from .matching import did_you_mean
 
-__all__ = ["Policy", "LossScaleConfig", "Rule", "Phase", "FLOAT32_MAX"]
+__all__ = ["Policy", "LossScaleConfig", "Rule", "Phase", "FLOAT32_MAX", "PRESETS"]
+
+#: The built-in presets (Keras policy names where Keras has one).
+PRESETS: dict[str, dict[str, Any]] = {
+    "float32": {"compute_dtype": "float32", "param_dtype": "float32", "output_dtype": "float32"},
+    "mixed_float16": {"compute_dtype": "float16", "param_dtype": "float32", "output_dtype": "float32",
+                      "loss_scale": {"mode": "dynamic"}},
+    "mixed_bfloat16": {"compute_dtype": "bfloat16", "param_dtype": "float32", "output_dtype": "float32"},
+    "bfloat16": {"compute_dtype": "bfloat16", "param_dtype": "bfloat16", "output_dtype": "bfloat16"},
+    "float16": {"compute_dtype": "float16", "param_dtype": "float16", "output_dtype": "float16",
+                "loss_scale": {"mode": "dynamic"}},
+}
 
 
 # --- the frozen objects -----------------------------------------------------------------------
@@ -270,20 +281,32 @@ class Policy:
     def from_dict(cls, data: Mapping[str, Any]) -> "Policy":
         """Build a policy from plain data with the file loader's checks (the inverse of to_dict).
 
-        ``extends`` is a file's business: :func:`ampbridge.loads` resolves it, ``from_dict`` refuses it.
+        ``extends`` may name a preset; a file path needs :func:`ampbridge.load` or :func:`ampbridge.loads`.
         """
         out = Collector()
         data = check_document_shape(dict(data) if isinstance(data, Mapping) else data, out)
-        if "extends" in data:
-            out.add(("extends",), "from_dict takes a whole policy; extends is resolved by ampbridge.load/loads",
-                    value=data["extends"])
-        policy = build({k: v for k, v in data.items() if k != "extends"}, None, out)
+        base = data.pop("extends", None)
+        if base is not None:
+            if isinstance(base, str) and base in PRESETS:
+                data = _over_preset(PRESETS[base], data)
+            else:
+                out.add(("extends",), "from_dict resolves a preset; a file in extends needs ampbridge.load or loads",
+                        value=base, accepted="a preset (" + ", ".join(PRESETS) + ")")
+        policy = build(data, None, out)
         if policy is None or out.problems:
             raise PolicyError(out.problems)
         return policy
 
 
 # --- from and to plain data ------------------------------------------------------------------
+
+def _over_preset(preset: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` over a preset as ``extends`` merges it: tables key by key, everything else replaced."""
+    merged = {**preset, **data}
+    if isinstance(preset.get("loss_scale"), dict) and isinstance(data.get("loss_scale"), dict):
+        merged["loss_scale"] = {**preset["loss_scale"], **data["loss_scale"]}
+    return merged
+
 
 def check_keys(data: Mapping[str, Any], accepted: tuple[str, ...], path: KeyPath, out: Collector,
                 what: str) -> None:

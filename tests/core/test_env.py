@@ -4,8 +4,7 @@ import pytest
 
 import ampbridge
 from ampbridge.diagnostics.environment import effective_policy
-from ampbridge.errors import _warned
-from ampbridge.errors import AmpBridgeWarning
+from ampbridge.errors import AmpBridgeWarning, PolicyError, _warned
 
 
 @pytest.fixture(autouse=True)
@@ -45,3 +44,9 @@ def test_policy_variable_takes_a_preset_or_file(monkeypatch, tmp_path):
     monkeypatch.setenv("AMPBRIDGE_POLICY", str(tmp_path / "missing.toml"))
     with pytest.raises(ampbridge.PolicyError, match="no such file"):
         effective_policy(ampbridge.preset("mixed_float16"), "jax")
+
+
+def test_a_bad_environment_policy_names_the_variable(monkeypatch):
+    monkeypatch.setenv("AMPBRIDGE_POLICY", "nosuch")
+    with pytest.raises(PolicyError, match="AMPBRIDGE_POLICY: the environment variable names no usable policy"):
+        effective_policy(ampbridge.preset("mixed_float16"), "torch", warn=False)
