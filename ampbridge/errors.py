@@ -125,9 +125,22 @@ class UnmatchedRuleWarning(AmpBridgeWarning):
 _warned: set[str] = set()
 
 
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` that makes ``warnings.warn``, called by the caller of this function, point
+    at the first frame outside ampbridge: the user's line, however deep inside ampbridge it starts."""
+    import sys
+
+    package = __file__.rsplit("/", 1)[0] + "/"
+    frame, level = sys._getframe(2), 2  # level 1 is the function that calls warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_once(message: str, category: type[Warning] = AmpBridgeWarning, *, key: str | None = None,
-              stacklevel: int = 2) -> bool:
-    """Warn once per process for ``key`` (default: the message); True when it warned.
+              stacklevel: int | None = None) -> bool:
+    """Warn once per process for ``key`` (default: the message); True when it warned. The warning
+    points at the user's code (the first frame outside ampbridge) unless ``stacklevel`` is given.
 
     Every backend says a process-wide fact (the bisect switch is on, this CPU truncates bfloat16)
     through here, so it is said once however many models are applied.
@@ -143,5 +156,5 @@ def warn_once(message: str, category: type[Warning] = AmpBridgeWarning, *, key: 
     if key in _warned:
         return False
     _warned.add(key)
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    warnings.warn(message, category, stacklevel=outside_stacklevel() if stacklevel is None else stacklevel + 1)
     return True

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampbridge
 import ampbridge.torch as abt
+from ampbridge.backends.torch import monitor as torch_monitor
 
 F = torch.nn.functional
 nn = torch.nn
@@ -101,8 +102,8 @@ def run(optimizer, rounds, folder):
             if kwargs is not None else None
         sides[name] = (amp, opt, monitor)
     transfers = []
-    real = abt._to_host
-    abt._to_host = lambda t: transfers.append(1) or real(t)
+    real = torch_monitor._to_host
+    torch_monitor._to_host = lambda t: transfers.append(1) or real(t)
 
     def counted(name):
         amp, opt, _ = sides[name]
@@ -136,7 +137,7 @@ def run(optimizer, rounds, folder):
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
     finally:
-        abt._to_host = real
+        torch_monitor._to_host = real
         for _, _, monitor in sides.values():
             if monitor is not None:
                 monitor.close()

@@ -40,7 +40,7 @@ def as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:
 def environment(policy: Policy | str | os.PathLike[str], framework: str, *,
                 warn: bool = True) -> tuple[Policy, tuple[str, ...]]:
     """The policy after the bisect switch (``AMPBRIDGE_DISABLE`` / ``AMPBRIDGE_POLICY``), and the
-    Plan note saying it replaced the one given (warned once per process)."""
+    Plan note saying it replaced the one given (warned once per process, at the user's line)."""
     given = as_policy(policy)
     effective = effective_policy(given, framework, warn=warn)
     if effective is given:

@@ -4,6 +4,6 @@ Example:
     >>> main(["--version"])  # doctest: +SKIP
 """
 
-from .main import main
+from .commands import main
 
 __all__ = ["main"]

@@ -1,4 +1,5 @@
-"""What the CLI's commands and the demo share: the usage error, the shipped examples, ``show``'s notes.
+"""What the CLI's commands and the demo share: the usage and input errors, reading an input file,
+the shipped examples, ``show``'s notes.
 
 Example:
     >>> (EXAMPLES / "amp.toml").exists()
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ..core.fields import LOSS_SCALE_FIELDS, TOP_FIELDS
 from ..core.policy import Policy
+from ..errors import AmpBridgeError
 
 #: the example policies shipped inside the package (``ampbridge validate`` runs on them installed)
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -19,6 +21,24 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 class UsageError(Exception):
     """Bad usage: exit status 2."""
+
+
+class InputError(AmpBridgeError):
+    """A bad or unreadable input file (or a user's model callable that fails): exit status 1."""
+
+
+def read_text(path: str | os.PathLike[str], what: str) -> str:
+    """An input file's text, or an :class:`InputError` naming it (missing, a directory, unreadable, not UTF-8)."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise InputError(f"{what} {str(path)!r}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} {str(path)!r}: a directory, not a file") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} {str(path)!r}: not UTF-8 text (byte {e.start}); is it a binary file?") from None
+    except OSError as e:
+        raise InputError(f"{what} {str(path)!r}: cannot read it: {e.strerror or e}") from None
 
 
 def defaults_notes(policy: Policy, origins: dict[str, str], main_source: str) -> dict[str, str]:

@@ -31,6 +31,7 @@ from typing import Any
 from ..errors import BackendUnavailableError, PolicyError, Problem
 from .fields import Collector, KeyPath, key_text
 from .matching import did_you_mean
+from .plan import gc_paused
 from .policy import PRESETS, Policy, build, check_document_shape, policy_to_dict
 
 __all__ = ["load", "loads", "dumps", "dump", "preset", "PRESETS", "load_with_origins"]
@@ -285,8 +286,12 @@ def _read_file(path: Path) -> tuple[str, str, tuple[str, ...]]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the policy
     except FileNotFoundError:
         raise PolicyError([Problem("no such file", file=str(path))]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PolicyError([Problem(f"cannot read the file: {e}", file=str(path))]) from None
+    except IsADirectoryError:
+        raise PolicyError([Problem("a directory, not a file", file=str(path))]) from None
+    except UnicodeDecodeError as e:
+        raise PolicyError([Problem(f"not UTF-8 text (byte {e.start}); is it a binary file?", file=str(path))]) from None
+    except OSError as e:
+        raise PolicyError([Problem(f"cannot read the file: {e.strerror or e}", file=str(path))]) from None
     root = ("tool", "ampbridge") if path.name == "pyproject.toml" else ()
     return text, fmt, root
 
@@ -345,6 +350,12 @@ def load_with_origins(path: str | os.PathLike[str]) -> tuple[Policy, dict[str, s
 
 def _loads_with_origins(text: str, fmt: str, source: str | None, base_dir: Path,
                         root: tuple[str, ...] = (), chain: tuple[str, ...] = ()) -> tuple[Policy, dict[str, str]]:
+    with gc_paused():  # a large policy allocates millions of objects; collections would re-walk them all
+        return _loads_located(text, fmt, source, base_dir, root, chain)
+
+
+def _loads_located(text: str, fmt: str, source: str | None, base_dir: Path, root: tuple[str, ...],
+                   chain: tuple[str, ...]) -> tuple[Policy, dict[str, str]]:
     where = source or "<string>"
     data, locate = _parse(text.removeprefix("\ufeff"), fmt, where, root)
     if data == {} or data is None:

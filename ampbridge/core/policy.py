@@ -388,8 +388,8 @@ def build_settings(raw: Mapping[str, Any], where: Callable[[KeyPath], KeyPath], 
     return values
 
 
-def construct(values: dict[str, Any]) -> Policy:
-    kwargs = dict(values)
+def construct(values: dict[str, Any], **extra: Any) -> Policy:
+    kwargs = dict(values, **extra)
     kwargs["overrides"] = tuple(Rule(**r) for r in values["overrides"])
     kwargs["loss_scale"] = LossScaleConfig(**values["loss_scale"])
     return Policy(**kwargs)
@@ -446,7 +446,7 @@ def build(data: Mapping[str, Any], source: str | None, out: Collector) -> Policy
     if out.problems:
         return None
     phases = tuple(Phase(policy=construct(pv), **b) for pv, b in phase_values)
-    return construct(values).replace(phases=phases, source=source)
+    return construct(values, phases=phases, source=source)
 
 
 _SETTING_KEYS = tuple(f.name for f in TOP_FIELDS if f.name != "version")

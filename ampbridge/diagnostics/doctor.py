@@ -88,6 +88,8 @@ def _jax() -> dict[str, Any]:
 
 
 PROBES = (("torch", "torch", _torch), ("tensorflow/keras", "tensorflow", _tensorflow), ("jax", "jax", _jax))
+#: the names ``doctor --frameworks`` accepts
+FRAMEWORK_NAMES = ("torch", "tensorflow", "keras", "jax")
 
 
 def doctor(frameworks: list[str] | None = None) -> str:
@@ -97,7 +99,7 @@ def doctor(frameworks: list[str] | None = None) -> str:
     lines.append("cpu flags relevant to mixed precision: "
                  + (", ".join(sorted((BF16_CPU_FLAGS | FP16_CPU_FLAGS | {"avx2", "avx512f", "f16c"}) & flags)) or "none found"))
     for label, module, probe in PROBES:
-        if frameworks and label.split("/")[0] not in frameworks and module not in frameworks:
+        if frameworks and not set(label.split("/")) & set(frameworks):
             continue
         if importlib.util.find_spec(module) is None:
             lines.append(f"\n{label}: not installed")

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 
-from ..errors import warn_once
+from ..errors import PolicyError, Problem, warn_once
 
 _FALSE = ("", "0", "false", "no", "off")
 
 
 def effective_policy(policy, framework: str, *, warn: bool = True):
-    """The policy a backend must apply: ``policy`` unless the environment replaces it."""
+    """The policy a backend must apply: ``policy`` unless the environment replaces it (said once
+    per process, pointing at the user's line)."""
     from ..core.io import PRESETS, load, preset
 
     disable = os.environ.get("AMPBRIDGE_DISABLE", "").strip().lower()
@@ -31,10 +32,16 @@ def effective_policy(policy, framework: str, *, warn: bool = True):
     if disable not in _FALSE:
         replacement, why = preset("float32"), "AMPBRIDGE_DISABLE is set: running in float32"
     elif override:
-        replacement = preset(override) if override in PRESETS else load(override)
+        try:
+            replacement = preset(override) if override in PRESETS else load(override)
+        except PolicyError as e:  # the user set a variable: say which one
+            why = "; ".join(str(p) for p in e.problems)
+            raise PolicyError([Problem(f"the environment variable names no usable policy ({why})",
+                                       key="AMPBRIDGE_POLICY", value=override,
+                                       accepted="a preset (" + ", ".join(PRESETS) + ") or a policy file path")]) from None
         why = f"AMPBRIDGE_POLICY={override}: using that policy instead of the one given"
     else:
         return policy
     if warn:
-        warn_once(f"ampbridge ({framework}): {why}", key=why, stacklevel=3)
+        warn_once(f"ampbridge ({framework}): {why}", key=why)
     return replacement

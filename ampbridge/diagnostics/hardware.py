@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AmpBridgeWarning
+from ..errors import AmpBridgeWarning, outside_stacklevel
 
 __all__ = ["Device", "auto_dtype", "cpu_flags", "resolve_auto", "BF16_CPU_FLAGS"]
 
@@ -104,7 +104,7 @@ def resolve_auto(policy, device: Device, *, warn: bool = True):  # -> tuple[Poli
         return policy, None
     choice, reason = auto_dtype(device)
     if warn and choice == "float32" and device.platform == "cpu":
-        warnings.warn(f"compute_dtype='auto' chose float32: {reason}", AmpBridgeWarning, stacklevel=3)
+        warnings.warn(f"compute_dtype='auto' chose float32: {reason}", AmpBridgeWarning, stacklevel=outside_stacklevel())
 
     def fix(p):
         return p.replace(compute_dtype=choice) if p.compute_dtype == "auto" else p

@@ -145,7 +145,7 @@ def _number(v: Any) -> Any:
 def read_log(path: str | os.PathLike[str]) -> RunLog:
     """Read a run log, checking its shape; raises ValueError naming the file and line."""
     source = str(path)
-    lines: Iterator[str] = iter(Path(path).read_text(encoding="utf-8").splitlines())
+    lines: Iterator[str] = iter(Path(path).read_text(encoding="utf-8-sig").splitlines())
     log: RunLog | None = None
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -17,8 +17,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
+from ampbridge.backends.jax import environment as jax_environment  # noqa: E402
 from ampbridge import Policy  # noqa: E402
-from ampbridge.diagnostics import environment as _env, hardware as _hardware  # noqa: E402
+from ampbridge.diagnostics import hardware as _hardware  # noqa: E402
 from ampbridge.diagnostics.hardware import Device  # noqa: E402
 
 TOKENS = jnp.zeros((2, 8), jnp.int32)
@@ -93,7 +94,7 @@ FAKED = {
 @pytest.mark.parametrize("case", list(FAKED))
 def test_auto_follows_the_faked_device_and_the_plan_says_why(demo, monkeypatch, inspect, case):
     device, want, why = FAKED[case]
-    monkeypatch.setattr(abj, "_device", lambda: device)
+    monkeypatch.setattr(jax_environment, "_device", lambda: device)
     policy = Policy(compute_dtype="auto", keep_float32=("kind:norm",))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -109,7 +110,7 @@ def test_auto_follows_the_faked_device_and_the_plan_says_why(demo, monkeypatch, 
 
 
 def test_auto_on_this_machine():
-    device = abj._device()
+    device = jax_environment._device()
     want, why = _hardware.auto_dtype(device)
     assert device.platform == jax.devices()[0].platform.replace("gpu", "cuda")
     if device.platform == "cpu":
@@ -127,10 +128,10 @@ def test_the_device_description_comes_from_jax(monkeypatch):
         return lambda *a, **k: [types.SimpleNamespace(**attrs)]
 
     monkeypatch.setattr(jax, "devices", fake(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0"))
-    assert abj._device() == Device("cuda", "NVIDIA H100", (9, 0))
+    assert jax_environment._device() == Device("cuda", "NVIDIA H100", (9, 0))
     monkeypatch.setattr(jax, "devices", fake(platform="gpu", device_kind="Tesla T4", compute_capability="7.5"))
-    assert _hardware.auto_dtype(abj._device())[0] == "float16"
+    assert _hardware.auto_dtype(jax_environment._device())[0] == "float16"
     monkeypatch.setattr(jax, "devices", fake(platform="cpu", device_kind="cpu"))
     monkeypatch.setattr(_hardware, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
-    assert abj._device() == Device("cpu", "cpu", None, frozenset({"avx512f", "amx_bf16"}))
-    assert _hardware.auto_dtype(abj._device())[0] == "bfloat16"
+    assert jax_environment._device() == Device("cpu", "cpu", None, frozenset({"avx512f", "amx_bf16"}))
+    assert _hardware.auto_dtype(jax_environment._device())[0] == "bfloat16"

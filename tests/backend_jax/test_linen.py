@@ -11,10 +11,10 @@ nn = require("flax.linen")
 optax = require("optax")
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
+from ampbridge.backends.jax.environment import _require  # noqa: E402
 from ampbridge import Policy, Rule  # noqa: E402
 
 MIXED = Policy(compute_dtype="float16", param_dtype="bfloat16", keep_float32=("kind:norm", "kind:embedding"),
@@ -255,7 +255,7 @@ def test_clear_errors():
     with pytest.raises(TypeError, match="flax.linen.Module or a flax.nnx.Module"):
         abj.apply(object(), Policy())
     with pytest.raises(ampbridge.BackendUnavailableError, match=r"pip install 'ampbridge\[jax\]'"):
-        abj._require("flax_that_is_not_installed", "apply")
+        _require("flax_that_is_not_installed", "apply")
     with pytest.raises(ValueError, match="accepted: compute, param, output"):
         abj.cast({}, Policy(), to="params")
 

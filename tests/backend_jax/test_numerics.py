@@ -15,8 +15,8 @@ optax = require("optax")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
+from ampbridge.backends.jax.monitor import _layer_statistics  # noqa: E402
 from ampbridge import LossScaleConfig, Policy, Rule  # noqa: E402
 from ampbridge.diagnostics.runlog import STAT_KEYS, layer_stats, read_log  # noqa: E402
 
@@ -192,7 +192,7 @@ def test_exact_underflow_limit_survives_subnormal_flushing():
     g = np.array([1e-40, 5e-41, 2e-45, 1e-39, 0.0, 3.0, 1e-30, 7e4, -1e5, 3.4e38, np.inf], np.float32)
     cases = ((1.0, "bfloat16"), (0.5, "bfloat16"), (1e-39, "float16"), (3.0, "float32"), (2.0 ** 20, "float16"))
     for scale, compute in cases:
-        counts, magnitudes = jax.jit(lambda g, s, compute=compute: abj._layer_statistics(
+        counts, magnitudes = jax.jit(lambda g, s, compute=compute: _layer_statistics(
             {"w": [g]}, {"w": compute}, s))(jnp.asarray(g), jnp.float32(scale))
         want = layer_stats(g, scale, compute)
         n = g.size
@@ -347,7 +347,7 @@ def test_sampling_every_100_logs_statistics_on_0_100_200_and_every_skip(tmp_path
 
 
 def test_report_names_the_planted_layer_counts_skips_and_plots(tmp_path, capsys):
-    from ampbridge.cli import main as _cli
+    from ampbridge.cli import commands as _cli
 
     amp, params, opt_state, step, x, y, _ = setup(big=2000.0, policy=policy_with(scale=2.0 ** 12, min_scale=1.0))
     log = tmp_path / "run.jsonl"

@@ -23,7 +23,8 @@ import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge import Policy, Rule  # noqa: E402
 from ampbridge.cli.demo.run import EXAMPLES  # noqa: E402
-from ampbridge.jax import _linen_plan, resolve_policy  # noqa: E402
+from ampbridge.backends.jax.linen import _linen_plan  # noqa: E402
+from ampbridge.jax import resolve_policy  # noqa: E402
 
 CALLS: list[str] = []
 

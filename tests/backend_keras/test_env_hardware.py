@@ -15,6 +15,7 @@ import ampbridge  # noqa: E402
 import ampbridge.diagnostics.environment  # noqa: E402
 import ampbridge.diagnostics.hardware as hardware  # noqa: E402
 import ampbridge.keras as ak  # noqa: E402
+from ampbridge.backends.keras import environment as keras_environment  # noqa: E402
 from ampbridge.diagnostics.hardware import Device  # noqa: E402
 
 L = keras.layers
@@ -123,7 +124,7 @@ def _fake_device(monkeypatch, capability, flags=frozenset({"avx2"})):
 def test_auto_resolves_for_the_detected_device(kx, monkeypatch, capability, flags, expected):
     model = _model(kx)  # before faking (seeding torch would initialise a CUDA that is not there)
     _fake_device(monkeypatch, capability, flags)
-    monkeypatch.setattr(ak, "bfloat16_rounding", lambda: None)  # the faked CPU's kernels are not probed
+    monkeypatch.setattr(keras_environment, "bfloat16_rounding", lambda: None)  # the faked CPU's kernels are not probed
     dev = ak.device()
     assert dev == (Device("cuda", "Fake GPU", capability) if capability
                    else Device("cpu", dev.name, cpu_flags=frozenset(flags)))
@@ -193,7 +194,7 @@ def test_bfloat16_rounding_describes_what_the_backends_matmul_really_does():
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's own kernels only")
 @pytest.mark.parametrize("rounding", ["nearest", "toward zero"])
 def test_a_truncating_tensorflow_says_so_for_bfloat16_policies_only(monkeypatch, rounding):
-    monkeypatch.setattr(ak, "bfloat16_rounding", lambda: rounding)
+    monkeypatch.setattr(keras_environment, "bfloat16_rounding", lambda: rounding)
     model = _model(types.SimpleNamespace(seed=keras.utils.set_random_seed))
     bf16 = ampbridge.preset("mixed_bfloat16")
     scheduled = ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 5\n[[phase]]\ncompute_dtype = "bfloat16"\n')

@@ -14,9 +14,11 @@ from ampbridge._testing import require
 
 keras = require("keras")
 import ampbridge  # noqa: E402
-import ampbridge.cli.main  # noqa: E402
+import ampbridge.cli.commands  # noqa: E402
 import ampbridge.keras as ak  # noqa: E402
 from ampbridge import LossScaleConfig  # noqa: E402
+from ampbridge.backends.keras import numerics as keras_numerics  # noqa: E402
+from ampbridge.backends.keras.apply import _WRAPPER  # noqa: E402
 from ampbridge.diagnostics.runlog import layer_stats, read_log  # noqa: E402
 
 L = keras.layers
@@ -145,7 +147,7 @@ def test_forward_overflow_named_and_reported(kx, tmp_path):
 
     out = io.StringIO()
     with redirect_stdout(out):
-        code = ampbridge.cli.main.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")])
+        code = ampbridge.cli.commands.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")])
     text = out.getvalue()
     assert code == 0, text
     assert "skipped steps: 6" in text and "boom (6)" in text and 'keep_float32 = ["boom"]' in text
@@ -335,8 +337,8 @@ def test_grad_stats_thresholds(compute_dtype, scale):
     values = np.array([0.0, -0.0, sub * 0.5, -sub * 0.75, sub, sub * 1.5, 1.0, -3.0, np.inf, -np.inf, np.nan,
                        min(fmt.max * 1.5, 3e38), -fmt.max, 65504.0, 70000.0], "float32")
     parts = [values[:7], values[7:].reshape(2, 4)]
-    row = kx_numpy(ak._grad_stats([ops.convert_to_tensor(p) for p in parts], ops.convert_to_tensor(np.float32(scale)),
-                                  compute_dtype))
+    row = kx_numpy(keras_numerics._grad_stats([ops.convert_to_tensor(p) for p in parts],
+                                              ops.convert_to_tensor(np.float32(scale)), compute_dtype))
     counts = [int(row[i]) * 4096 + int(row[i + 1]) for i in range(2, 12, 2)]
     zero, nonfinite, under, over, size = counts
     want = layer_stats(values, scale, compute_dtype)
@@ -372,7 +374,7 @@ def test_monitor_leaves_checkpoints_and_model_as_they_were(kx, tmp_path):
     monitor.close()
     assert (len(model.weights), len(model.non_trainable_variables), len(model.optimizer.variables)) == before
     assert "compute_loss" not in model.__dict__ and all(
-        getattr(layer.__dict__.get(ak._WRAPPER), "probe", None) is None for _, layer in ak.layers(model))
+        getattr(layer.__dict__.get(_WRAPPER), "probe", None) is None for _, layer in ak.layers(model))
     model.fit(x, y, batch_size=4, verbose=0)  # runs unmonitored
     assert model.optimizer.state.steps == 6
 

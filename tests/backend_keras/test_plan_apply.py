@@ -275,8 +275,16 @@ def test_dtype_policies_and_their_configs(tmp_path, kx):
 
 def test_docstring_examples_run():
     import doctest
+    import importlib
+    import pkgutil
 
-    result = doctest.testmod(ak, optionflags=doctest.ELLIPSIS)
+    import ampbridge.backends.keras as package
+
+    # the backend's rooms (ampbridge.keras is their facade)
+    modules = [package] + [importlib.import_module(f"{package.__name__}.{m.name}")
+                           for m in pkgutil.iter_modules(package.__path__)]
+    results = [doctest.testmod(module, optionflags=doctest.ELLIPSIS) for module in [ak, *modules]]
+    result = doctest.TestResults(sum(r.failed for r in results), sum(r.attempted for r in results))
     assert result.attempted > 10 and result.failed == 0
 
 

@@ -12,6 +12,8 @@ from ampbridge import Policy, Rule, UnsupportedOptionError
 
 torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
+from ampbridge.backends.torch import environment as torch_env  # noqa: E402
+from ampbridge.backends.torch import forward as torch_forward  # noqa: E402
 
 nn = torch.nn
 
@@ -77,7 +79,7 @@ def test_device_errors_are_clear(monkeypatch):
     with pytest.raises(ampbridge.AmpBridgeError, match="device_type='cuda' but the model's tensors are on cpu"):
         abt.apply(small(), "mixed_float16", device_type="cuda")
     # a device whose autocast cannot run the dtype (as a GPU without bfloat16): refused, not ignored
-    monkeypatch.setattr(abt, "_supported_compute_dtypes", lambda device: frozenset({"float32", "float16"}))
+    monkeypatch.setattr(torch_env, "_supported_compute_dtypes", lambda device: frozenset({"float32", "float16"}))
     with pytest.raises(UnsupportedOptionError, match="compute_dtype='bfloat16': torch autocast cannot run "
                                                      "bfloat16 on this cpu device; accepted here: float16, float32"):
         abt.apply(small(), "mixed_bfloat16")
@@ -86,7 +88,7 @@ def test_device_errors_are_clear(monkeypatch):
     # auto is the core's decision (ampbridge.diagnostics.hardware): a CPU without native bfloat16 gets float32
     from ampbridge.diagnostics.hardware import Device
 
-    monkeypatch.setattr(abt, "_device", lambda device_type: Device("cpu", cpu_flags=frozenset({"avx2"})))
+    monkeypatch.setattr(torch_env, "_device", lambda device_type: Device("cpu", cpu_flags=frozenset({"avx2"})))
     with pytest.warns(ampbridge.AmpBridgeWarning, match="chose float32"):
         amp = abt.apply(small(), Policy(compute_dtype="auto"))
     assert amp.active_policy.compute_dtype == "float32"
@@ -96,8 +98,8 @@ def test_device_errors_are_clear(monkeypatch):
 def test_the_real_cpu_capabilities_and_auto():
     from ampbridge.diagnostics.hardware import auto_dtype
 
-    assert abt._supported_compute_dtypes("cpu") == {"float32", "float16", "bfloat16"}
-    chosen, reason = auto_dtype(abt._device("cpu"))
+    assert torch_env._supported_compute_dtypes("cpu") == {"float32", "float16", "bfloat16"}
+    chosen, reason = auto_dtype(torch_env._device("cpu"))
     amp = abt.apply(small(), Policy(compute_dtype="auto"))
     assert amp.active_policy.compute_dtype == chosen and any(reason in n for n in amp.plan.notes)
     assert amp.scaler.config.mode == ("dynamic" if chosen == "float16" else "none")
@@ -198,8 +200,8 @@ def test_rules_inside_a_transformer_layer_hold_on_its_eval_fast_path(monkeypatch
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Linear(8, 2)).eval()
     calls = []
-    real = abt._Forward.__call__
-    monkeypatch.setattr(abt._Forward, "__call__", lambda self, *a, **k: calls.append(self.spec.path) or real(self, *a, **k))
+    real = torch_forward._Forward.__call__
+    monkeypatch.setattr(torch_forward._Forward, "__call__", lambda self, *a, **k: calls.append(self.spec.path) or real(self, *a, **k))
     amp = abt.apply(model, Policy(overrides=(Rule(("0.linear1",), compute_dtype="bfloat16"),)))
     with torch.no_grad():
         model(torch.randn(2, 3, 8))

@@ -13,6 +13,7 @@ from ampbridge.diagnostics.hardware import Device, auto_dtype, cpu_flags
 
 torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
+from ampbridge.backends.torch import environment as torch_env  # noqa: E402
 
 nn = torch.nn
 
@@ -83,7 +84,7 @@ def test_policy_variable_swaps_in_a_preset_or_a_file(monkeypatch, tmp_path, prob
 ], ids=["cuda-8.0", "cuda-7.0", "cuda-6.0", "cpu-no-bf16", "cpu-avx512-bf16"])
 def test_auto_follows_the_device_and_the_plan_says_why(monkeypatch, probe, device, dtype, mode):
     """Faked devices (autocast itself runs on this CPU in the chosen dtype)."""
-    monkeypatch.setattr(abt, "_device", lambda device_type: device)
+    monkeypatch.setattr(torch_env, "_device", lambda device_type: device)
     model = net()
     emulated = device.platform == "cpu" and dtype == "float32"
     with pytest.warns(AmpBridgeWarning, match="bfloat16 would be emulated") if emulated else \
@@ -103,19 +104,19 @@ def test_auto_detects_this_cpu_and_a_faked_cuda_through_torch(monkeypatch):
         amp.plan.notes
     # the CPU's flags come from /proc/cpuinfo: a CPU without AVX512_BF16/AMX-BF16 resolves to float32
     monkeypatch.setattr(ampbridge.diagnostics.hardware, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
-    assert abt._device("cpu") == Device("cpu", cpu_flags=frozenset({"sse2", "avx2"}))
+    assert torch_env._device("cpu") == Device("cpu", cpu_flags=frozenset({"sse2", "avx2"}))
     # CUDA's capability comes from torch.cuda
     for capability, dtype in (((8, 6), "bfloat16"), ((7, 5), "float16")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
-        device = abt._device("cuda")
+        device = torch_env._device("cuda")
         assert device == Device("cuda", "Fake GPU", capability) and auto_dtype(device)[0] == dtype
 
 
 def test_auto_inside_a_schedule_resolves_per_phase(monkeypatch):
-    monkeypatch.setattr(abt, "_device", lambda device_type: Device("cuda", "Fake V100", (7, 0)))
+    monkeypatch.setattr(torch_env, "_device", lambda device_type: Device("cuda", "Fake V100", (7, 0)))
     policy = ampbridge.loads('compute_dtype = "float32"\n[[phase]]\nuntil_step = 2\n[[phase]]\n'
                              'compute_dtype = "auto"\n', format="toml")
     model = net()

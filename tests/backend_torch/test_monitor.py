@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import ampbridge
-import ampbridge.cli.main
+import ampbridge.cli.commands
 import ampbridge._testing
 from ampbridge import Policy, Rule
 from ampbridge.diagnostics.runlog import STAT_KEYS, layer_stats, read_log
 
 torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
+from ampbridge.backends.torch import monitor as torch_monitor  # noqa: E402
 
 nn = torch.nn
 
@@ -227,8 +228,8 @@ def test_host_syncs_and_transfers(tmp_path, counter, monkeypatch):
     fused optimizer the host never learns found_inf: the skipped step waits on the device and is
     read with the next sampled step (its attribution intact)."""
     transfers = []
-    real = abt._to_host
-    monkeypatch.setattr(abt, "_to_host", lambda t: transfers.append(t.numel()) or real(t))
+    real = torch_monitor._to_host
+    monkeypatch.setattr(torch_monitor, "_to_host", lambda t: transfers.append(t.numel()) or real(t))
     for fused, reads in ((False, 1), (True, 0)):
         model = chain()
         amp = abt.apply(model, "mixed_float16")
@@ -388,7 +389,7 @@ def test_report_names_the_planted_layer_and_counts_skips(tmp_path):
               contextlib.nullcontext())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert ampbridge.cli.main.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")]) == 0
+        assert ampbridge.cli.commands.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")]) == 0
     text = out.getvalue()
     assert "skipped steps: 3 (5, 9, 10)" in text
     assert "first layer to go non-finite, by steps: 4 (3)" in text

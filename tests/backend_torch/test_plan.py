@@ -11,6 +11,9 @@ from ampbridge import Policy
 
 torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
+from ampbridge.backends.torch.layers import _class_name  # noqa: E402
+from ampbridge.backends.torch.environment import cpu_lstm_runs  # noqa: E402
+from ampbridge.backends.torch.plan import _behaviour, _realise  # noqa: E402
 
 nn = torch.nn
 
@@ -87,7 +90,7 @@ def test_explain_on_a_torch_model_through_the_cli(tmp_path, monkeypatch, capsys)
     """))
     (tmp_path / "amp.toml").write_text('extends = "mixed_float16"\nkeep_float32 = ["kind:norm"]\n')
     monkeypatch.chdir(tmp_path)
-    from ampbridge.cli.main import main
+    from ampbridge.cli.commands import main
 
     assert main(["explain", "amp.toml", "--model", "ab_cli_models:build"]) == 0
     out = capsys.readouterr().out
@@ -129,14 +132,19 @@ BEHAVIOUR_CASES = [
 @pytest.mark.parametrize("module,make", BEHAVIOUR_CASES, ids=[type(m).__name__ for m, _ in BEHAVIOUR_CASES])
 @pytest.mark.parametrize("region", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cpu_autocast_does_what_the_backend_says(module, make, region, probe):
-    behaviour = abt._behaviour(module, "cpu")
+    behaviour = _behaviour(module, "cpu")
     for fed in (torch.float32, region):
         if isinstance(module, nn.LSTM) and fed == torch.float32 and not abt.cpu_lstm_takes_float32_inputs(
                 NAMES[region]):
             with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=region):
                 module(*make(fed))  # oneDNN cannot on this CPU; the plan row says so:
             row = abt.plan(nn.Sequential(module), Policy(compute_dtype=NAMES[region]), device_type="cpu")["0"]
-            assert f"needs {NAMES[region]} inputs on this CPU" in row.note
+            runs_at_all = cpu_lstm_runs(NAMES[region], NAMES[region])
+            assert (f"needs {NAMES[region]} inputs on this CPU" if runs_at_all else "cannot run under") in row.note
+            continue
+        if isinstance(module, nn.LSTM) and fed == region and not cpu_lstm_runs(NAMES[region], NAMES[region]):
+            with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=region):
+                module(*make(fed))  # not even on its own dtype's inputs here: the row above says "pin it"
             continue
         if isinstance(module, nn.Bilinear) and fed != torch.float32:
             continue  # torch's bilinear cannot mix dtypes: ampbridge presents its parameters (test below)
@@ -164,14 +172,14 @@ def _autocast_kernel(op, key):
 def test_the_cuda_table_matches_torchs_autocast_registrations(op, module, expect):
     """No GPU here: the CUDA rows come from torch's op lists; the dispatcher confirms which ops
     AutocastCUDA handles (a kernel: cast to float32 or to the region; a fallthrough: left alone)."""
-    assert abt._behaviour(module, "cuda") == expect
+    assert _behaviour(module, "cuda") == expect
     assert _autocast_kernel(op, "AutocastCUDA") == (expect in ("float32", "cast"))
 
 
 def test_cuda_plans_say_where_autocast_overrides_the_row(tiny):
     plan = abt.plan(tiny, Policy(compute_dtype="float16", keep_float32=("kind:embedding",)), device_type="cpu")
     assert plan["ln2"].compute_dtype == "float16" and "follows its input" in plan["ln2"].note
-    rows = abt._realise(tiny, Policy(compute_dtype="float16", keep_float32=("kind:embedding",)), "cuda").plan
+    rows = _realise(tiny, Policy(compute_dtype="float16", keep_float32=("kind:embedding",)), "cuda").plan
     assert rows["ln2"].compute_dtype == "float32" and rows["ln2"].output_dtype == "float32"
     assert rows["ln2"].note == "cuda autocast runs LayerNorm in float32"
     assert rows["fc1"].compute_dtype == "float16" and rows["fc1"].note is None
@@ -191,7 +199,7 @@ def test_scripted_models_are_planned_by_their_original_classes():
 def test_fsdp2_classes_report_their_base_name():
     FSDPModule = type("FSDPModule", (), {})
     fsdp_norm = type("FSDPLayerNorm", (FSDPModule, nn.LayerNorm), {})(4)
-    assert abt._class_name(fsdp_norm) == "LayerNorm" and abt.kind_of(fsdp_norm) == "norm"
+    assert _class_name(fsdp_norm) == "LayerNorm" and abt.kind_of(fsdp_norm) == "norm"
 
 
 def test_bilinear_fed_lower_precision_runs_in_it(probe):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ampbridge.cli.main import main
+from ampbridge.cli.commands import main
 from ampbridge._testing import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,10 +78,11 @@ def test_explain_all_phases(capsys):
 
 
 def test_explain_bad_usage(tmp_path, capsys):
-    assert run(capsys, "explain", str(EXAMPLES / "amp.toml"), "--layers", str(tmp_path / "none.json"))[0] == 2
+    # a missing input file is bad input (1) for every command, as for validate and show (issue 23)
+    assert run(capsys, "explain", str(EXAMPLES / "amp.toml"), "--layers", str(tmp_path / "none.json"))[0] == 1
     (tmp_path / "l.json").write_text('[{"path": 3, "kind": "nrm"}]')
     code, _, err = run(capsys, "explain", str(EXAMPLES / "amp.toml"), "--layers", str(tmp_path / "l.json"))
-    assert code == 2 and "unknown kind 'nrm'" in err
+    assert code == 1 and "unknown kind 'nrm'" in err  # a bad input file, not bad usage (issue 23)
     assert run(capsys, "explain", str(EXAMPLES / "amp.toml"), "--model", "nocolon")[0] == 2
     assert run(capsys, "explain", str(EXAMPLES / "amp.toml"), "--model", "no_such_module_xyz:f")[0] == 2
 

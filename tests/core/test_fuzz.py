@@ -56,7 +56,7 @@ def test_random_documents_as_text(doc, fmt):
     outcome(lambda: ampbridge.loads(text, format=fmt))
 
 
-from ampbridge.cli.main import EXAMPLES  # noqa: E402
+from ampbridge.cli.commands import EXAMPLES  # noqa: E402
 
 REFERENCE = (EXAMPLES / "reference.toml").read_text()
 

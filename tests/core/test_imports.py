@@ -29,7 +29,7 @@ def test_import_and_load_leave_frameworks_out():
 
 
 def test_cli_leaves_frameworks_out():
-    code = ("import sys; from ampbridge.cli.main import main; main(['validate', %r]); "
+    code = ("import sys; from ampbridge.cli.commands import main; main(['validate', %r]); "
             "print(sorted(m for m in %r if m in sys.modules))" % (str(EXAMPLE), FRAMEWORKS))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip().splitlines()[-1] == "[]"

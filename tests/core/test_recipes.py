@@ -8,6 +8,7 @@ import pytest
 from ampbridge import LossScaleConfig, LossScaleState, Policy, PolicyError, UnsupportedOptionError
 from ampbridge import recipes
 from ampbridge.core.loss_scale import f32
+from ampbridge.recipes.lightning import _LIGHTNING_ALIASES
 
 HERE = Path(__file__).parent / "recipes"
 
@@ -232,7 +233,7 @@ def test_lightning_precisions(precision, compute, param, scaling):
                               loss_scale=scaling)
     assert c.exact
     back = recipes.to_lightning(c.result)
-    assert back.exact and back.result["precision"] == recipes._LIGHTNING_ALIASES.get(precision, precision)
+    assert back.exact and back.result["precision"] == _LIGHTNING_ALIASES.get(precision, precision)
 
 
 @pytest.mark.parametrize("precision", ["64-true", 64, "64", "transformer-engine", "transformer-engine-float16"])

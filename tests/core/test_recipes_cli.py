@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import ampbridge
-from ampbridge.cli.main import main
+from ampbridge.cli.commands import main
 
 HERE = Path(__file__).parent / "recipes"
 
@@ -121,7 +121,7 @@ def test_check_compares_every_phase(capsys, tmp_path):
 
 
 def test_cli_leaves_frameworks_out():
-    code = ("import sys; from ampbridge.cli.main import main; main(['convert', %r, '--to', 'deepspeed']); "
+    code = ("import sys; from ampbridge.cli.commands import main; main(['convert', %r, '--to', 'deepspeed']); "
             "main(['check', 'mixed_float16', '--against', %r]); "
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'jax', 'flax', 'optax', 'numpy') "
             "if m in sys.modules))" % (str(HERE / "accelerate_fp16.yaml"), str(HERE / "ds_fp16_dynamic.json")))

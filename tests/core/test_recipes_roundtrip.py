@@ -8,6 +8,12 @@ from hypothesis import strategies as st
 from ampbridge import LossScaleConfig, Policy, PolicyError, Rule, UnsupportedOptionError
 from ampbridge import recipes
 from ampbridge.core.loss_scale import f32
+from ampbridge.recipes.apex import _APEX_KEYS, _BATCHNORM_PINS
+from ampbridge.recipes.convert import _GRAD_SCALER_ARGS, _GRAD_SCALER_STATE
+from ampbridge.recipes.deepspeed import _DS_AUTOCAST_KEYS, _DS_BF16_KEYS, _DS_FP16_KEYS, _DS_READ
+from ampbridge.recipes.flax import _FLAX_KEYS
+from ampbridge.recipes.keras import _KERAS
+from ampbridge.recipes.lightning import _LIGHTNING
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ("float32", "float16", "bfloat16")
@@ -86,7 +92,7 @@ def test_deepspeed_torch_autocast(compute):
 @st.composite
 def apex(draw):
     param = draw(st.sampled_from(["float32", "float16"]))
-    pins = draw(st.sampled_from([(), recipes._BATCHNORM_PINS]))
+    pins = draw(st.sampled_from([(), _BATCHNORM_PINS]))
     kind = draw(st.sampled_from(["dynamic", "static", "none"]))
     if kind == "dynamic":
         ls = LossScaleConfig(mode="dynamic", initial_scale=65536.0, growth_interval=2000,
@@ -127,7 +133,7 @@ def test_accelerate(p):
 
 @st.composite
 def lightning(draw):
-    compute, param = draw(st.sampled_from(list(recipes._LIGHTNING.values())))
+    compute, param = draw(st.sampled_from(list(_LIGHTNING.values())))
     ls = LossScaleConfig(mode="none", skip_nonfinite=False)
     if (compute, param) == ("float16", "float32"):
         ls = draw(st.one_of(torch_dynamic(), none_scaling()))
@@ -143,8 +149,8 @@ def test_lightning(p):
 
 @st.composite
 def keras(draw):
-    name = draw(st.sampled_from(list(recipes._KERAS)))
-    compute, param = recipes._KERAS[name]
+    name = draw(st.sampled_from(list(_KERAS)))
+    compute, param = _KERAS[name]
     dynamic = st.builds(lambda i, n: LossScaleConfig(mode="dynamic", initial_scale=i, growth_interval=n),
                         f32_positive, intervals)
     static = f32_positive.map(lambda s: LossScaleConfig(mode="static", initial_scale=s, skip_nonfinite=False))
@@ -272,10 +278,10 @@ def test_nothing_is_dropped_silently(p, fmt):
 
 # --- fuzzing the readers: whatever the input, a Conversion or a clear error ------------------------------
 
-FUZZ_KEYS = sorted(set(recipes._DS_FP16_KEYS + recipes._DS_BF16_KEYS + recipes._DS_AUTOCAST_KEYS + recipes._APEX_KEYS
-                       + recipes._DS_READ + ("mixed_precision", "distributed_type", "deepspeed_config", "fp16",
+FUZZ_KEYS = sorted(set(_DS_FP16_KEYS + _DS_BF16_KEYS + _DS_AUTOCAST_KEYS + _APEX_KEYS
+                       + _DS_READ + ("mixed_precision", "distributed_type", "deepspeed_config", "fp16",
                                              "initial_scale", "dynamic_growth_steps", "stage", "zero_stage")
-                       + recipes._GRAD_SCALER_ARGS + recipes._GRAD_SCALER_STATE + recipes._FLAX_KEYS))
+                       + _GRAD_SCALER_ARGS + _GRAD_SCALER_STATE + _FLAX_KEYS))
 FUZZ_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3000), st.floats(allow_nan=True),
                          st.sampled_from(["auto", "fp16", "bf16", "no", "O2", "O9", "bfloat16", "torch.float16",
                                           "FSDP", "DEEPSPEED", "dynamic", "", "x"]))

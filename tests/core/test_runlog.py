@@ -89,7 +89,7 @@ def test_bad_logs(tmp_path, text, message):
 
 
 def test_report_cli(tmp_path, capsys):
-    from ampbridge.cli.main import main
+    from ampbridge.cli.commands import main
 
     path = tmp_path / "run.jsonl"
     write_run(path, [(65536.0, False, None, 0.0)] * 3 + [(65536.0, True, "embed", 0.0)])
@@ -98,7 +98,7 @@ def test_report_cli(tmp_path, capsys):
     assert "first layer to go non-finite, by steps: embed (1)" in out
     assert main(["report", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["overflow_origins"] == {"embed": 1}
-    assert main(["report", str(tmp_path / "none.jsonl")]) == 2
+    assert main(["report", str(tmp_path / "none.jsonl")]) == 1  # a missing input file (issue 23)
     (tmp_path / "bad.jsonl").write_text("{}\n")
     assert main(["report", str(tmp_path / "bad.jsonl")]) == 1
 

@@ -19,14 +19,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..core import io as _io
 from ..core.dtypes import format_table, formats
 from ..core.plan import Plan, build_plan, layers_from_data
 from ..core.policy import Policy
 from ..errors import AmpBridgeError, PolicyError, Problem
-from .common import EXAMPLES, UsageError, defaults_notes
+from .common import EXAMPLES, InputError, UsageError, defaults_notes, read_text
 
 
 def _example_policy() -> Path:
@@ -58,7 +58,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
             _io.load(name)
         except PolicyError as e:
             status = 1
-            print(f"invalid: {name}", file=sys.stderr)
+            if len(e.problems) == 1:
+                p = e.problems[0]
+                print(f"invalid: {p}" if p.file else f"invalid: {name}: {p}", file=sys.stderr)
+                continue
+            print(f"invalid: {name}: {len(e.problems)} problems", file=sys.stderr)
             for p in e.problems:
                 print(f"  {p}", file=sys.stderr)
         else:
@@ -89,29 +93,41 @@ def _load_model(spec: str) -> tuple[Any, tuple[Any, ...]]:
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] and e.name != module_name:
+            raise InputError(f"--model {spec}: importing {module_name!r} failed: {_one_line(e)}") from None
         raise UsageError(f"--model: cannot import {module_name!r}: {e}") from None
+    except Exception as e:  # the user's module failed while importing: its error, in one line
+        raise InputError(f"--model {spec}: importing {module_name!r} failed: {_one_line(e)}") from None
     finally:
         sys.path.pop(0)
     try:
         factory = getattr(module, attr)
     except AttributeError:
         raise UsageError(f"--model: {module_name!r} has no attribute {attr!r}") from None
-    made = factory() if callable(factory) else factory
+    try:
+        made = factory() if callable(factory) else factory
+    except Exception as e:  # the user's callable raised: say so, with its own one-line summary
+        raise InputError(f"--model {spec}: the callable raised {_one_line(e)}") from None
     if isinstance(made, tuple) and made:  # (model, *example_inputs), as Flax needs inputs
         return made[0], tuple(made[1:])
     return made, ()
 
 
+def _one_line(e: BaseException) -> str:
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+
+
 def _plan_for(policy: Policy, args: argparse.Namespace) -> Plan:
     if args.layers:
+        text = read_text(args.layers, "--layers")
         try:
-            data = json.loads(Path(args.layers).read_text(encoding="utf-8"))
-            layers = layers_from_data(data, str(args.layers))
-        except FileNotFoundError:
-            raise UsageError(f"--layers: no such file {args.layers!r}") from None
-        except (json.JSONDecodeError, ValueError) as e:
-            raise UsageError(f"--layers: {e}") from None
+            layers = layers_from_data(json.loads(text), str(args.layers))
+        except json.JSONDecodeError as e:
+            raise InputError(f"--layers {args.layers!r}: not valid JSON: {e}") from None
+        except ValueError as e:
+            raise InputError(f"--layers {args.layers!r}: {_one_line(e).removeprefix('ValueError: ')}") from None
         return build_plan(layers, policy)
     model, inputs = _load_model(args.model)
     import ampbridge
@@ -122,7 +138,14 @@ def _plan_for(policy: Policy, args: argparse.Namespace) -> Plan:
 def cmd_explain(args: argparse.Namespace) -> int:
     import warnings
 
+    from ..diagnostics.environment import effective_policy
+
     policy = _io.load(args.file)
+    with warnings.catch_warnings(record=True) as switched:
+        warnings.simplefilter("always")
+        policy = effective_policy(policy, "explain")  # the Plan of what would run: the bisect switch applies
+    for w in switched:
+        print(f"warning: {w.message}", file=sys.stderr)
     at = _parse_at(args.at)
     policies = [(None, _at(policy, at))]
     if args.all_phases and policy.phases:
@@ -138,10 +161,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         plans = [(label, _plan_for(p, args)) for label, p in policies]
     if args.format == "json":
+        data = [_plan_data(p, args.only_ruled) for _, p in plans]
         if len(plans) == 1:
-            print(plans[0][1].to_json())
+            print(json.dumps(data[0], indent=2))
         else:
-            print(json.dumps([{"phase": label, **p.to_dict()} for label, p in plans], indent=2))
+            print(json.dumps([{"phase": label, **d} for (label, _), d in zip(plans, data)], indent=2))
     else:
         for label, p in plans:
             if label:
@@ -153,6 +177,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
             continue  # already listed in the table
         print(f"warning: {w.message}", file=sys.stderr)
     return 0
+
+
+def _plan_data(plan: Plan, only_ruled: bool) -> dict[str, Any]:
+    data = plan.to_dict()
+    if only_ruled:  # the rows a rule decided, as the table shows them
+        data["rows"] = [r for r in data["rows"] if r.get("rule") != "default"]
+    return data
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
@@ -174,13 +205,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..diagnostics.report import format_summary, plot, summarize
     from ..diagnostics.runlog import read_log
 
+    read_text(args.log, "the log")  # missing, a directory, binary: one line naming it
     try:
         log = read_log(args.log)
-    except FileNotFoundError:
-        raise UsageError(f"no such file {args.log!r}") from None
     except ValueError as e:
-        print(f"ampbridge report: {e}", file=sys.stderr)
-        return 1
+        raise InputError(str(e)) from None
     summary = summarize(log)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
     if args.plot:
@@ -192,7 +221,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from ..diagnostics.doctor import doctor
 
-    frameworks = [f.strip() for f in args.frameworks.split(",")] if args.frameworks else None
+    from ..diagnostics.doctor import FRAMEWORK_NAMES
+
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()] if args.frameworks else None
+    unknown = [f for f in frameworks or () if f not in FRAMEWORK_NAMES]
+    if unknown:
+        raise UsageError(f"--frameworks: unknown {', '.join(unknown)}; accepted: {', '.join(FRAMEWORK_NAMES)}")
     print(doctor(frameworks))
     return 0
 
@@ -203,7 +237,7 @@ _POLICY_SUFFIXES = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "
 
 
 def _auto_arg(text: str) -> str:
-    from ..recipes import _trainer_dtype
+    from ..recipes.convert import trainer_dtype as _trainer_dtype
 
     try:
         return _trainer_dtype(text, "--auto")
@@ -214,6 +248,8 @@ def _auto_arg(text: str) -> str:
 def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: Any) -> Any:
     """A file, a ``FORMAT:VALUE`` (the value a file or a name), or a bare precision name -> its Conversion."""
     from .. import recipes
+    from ..recipes.convert import _parse_text
+    from ..recipes.formats import _READ_OPTIONS
 
     head, sep, rest = spec.partition(":")
     if sep and head in recipes.READ_FORMATS and fmt in (None, head) and not Path(spec).exists():
@@ -228,8 +264,8 @@ def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: 
     if is_file:
         detected = fmt or recipes.load(path).source_format  # detect first: pass only the options it takes
     else:
-        detected = fmt or recipes.detect(recipes._parse_text(spec, "", None)[0], source=spec)
-    takes = recipes._READ_OPTIONS.get(detected, ())
+        detected = fmt or recipes.detect(_parse_text(spec, "", None)[0], source=spec)
+    takes = _READ_OPTIONS.get(detected, ())
     options = {k: v for k, v in given.items() if v is not None and k in takes}
     if is_file:
         return recipes.load(path, detected, **options)
@@ -295,7 +331,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print("--strict: nothing written", file=sys.stderr)
             return 1
     if out_path:
-        out_path.write_text(text, encoding="utf-8")
+        try:
+            out_path.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"-o {str(out_path)!r}: cannot write it: {e.strerror or e}") from None
         print(f"wrote {out_path}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -369,25 +408,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad usage said in one line (exit 2) rather than the usage block and the error."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ampbridge", description="One mixed-precision policy for "
-                                     "PyTorch, Keras and JAX.")
+    parser = _Parser(prog="ampbridge", description="One mixed-precision policy for PyTorch, Keras and JAX.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     p = sub.add_parser("validate", help="check policy files; every problem listed (exit 1 if any)")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="policy files (.toml, .yaml, .json, pyproject.toml)")
     p.set_defaults(run=cmd_validate)
 
     p = sub.add_parser("show", help="print a policy resolved, with the defaults filled in")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="a policy file")
     p.add_argument("--format", choices=_io.FORMATS, default="toml")
     p.add_argument("--at", metavar="epoch=N|step=N", help="the settings in force at that point of the schedule")
     p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("explain", help="print the Plan: which layer runs in which dtype, and why")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="a policy file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--layers", metavar="LAYERS.json", help="a JSON list of {path, kind, class, params}")
     src.add_argument("--model", metavar="MODULE:CALLABLE",
@@ -433,24 +478,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("formats", help="floating-point format facts of every dtype")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="as JSON, one object per dtype")
     p.set_defaults(run=cmd_formats)
 
     p = sub.add_parser("schema", help="the JSON Schema of the policy file")
     p.set_defaults(run=cmd_schema)
 
     p = sub.add_parser("report", help="summarise a numerics log (JSON Lines) with advice")
-    p.add_argument("log", metavar="RUN.jsonl")
+    p.add_argument("log", metavar="RUN.jsonl", help="the log a Monitor wrote")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss scale, skips and underflow")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the summary as JSON")
     p.set_defaults(run=cmd_report)
 
     p = sub.add_parser("doctor", help="devices, native dtypes, the auto choice and matmul precision per framework")
-    p.add_argument("--frameworks", default=None, help="comma list: torch, tensorflow, jax (default: all installed)")
+    p.add_argument("--frameworks", default=None, help="comma list: torch, tensorflow (or keras), jax (default: all "
+                   "installed)")
     p.set_defaults(run=cmd_doctor)
 
     p = sub.add_parser("demo", help="the example policy, planned and trained in every installed framework")
-    p.add_argument("policy", nargs="?", default=None, metavar="POLICY")
+    p.add_argument("policy", nargs="?", default=None, metavar="POLICY", help="a policy file (default: the shipped "
+                   "examples/amp.toml)")
     p.add_argument("--steps", type=int, default=40, help="training steps per framework")
     p.add_argument("--frameworks", default=None, help="comma list (default: every installed one)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss and loss scale (needs matplotlib)")
@@ -465,6 +512,8 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # TensorFlow's C++ start-up lines would interleave with the demo's and doctor's output
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on bad usage
     try:
@@ -474,7 +523,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except PolicyError as e:
         what = "invalid input" if args.command in ("convert", "check") else "invalid policy"
-        print(f"ampbridge {args.command}: {what}:", file=sys.stderr)
+        if len(e.problems) == 1:
+            print(f"ampbridge {args.command}: {what}: {e.problems[0]}", file=sys.stderr)
+            return 1
+        print(f"ampbridge {args.command}: {what}: {len(e.problems)} problems", file=sys.stderr)
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return 1
@@ -483,6 +535,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # `ampbridge schema | head`
         return 0
+    except OSError as e:  # an output that cannot be written (a plot, a log), a file that vanished
+        name = f"{e.filename}: " if e.filename else ""
+        print(f"ampbridge {args.command}: error: {name}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # never a traceback; AMPBRIDGE_TRACEBACK=1 shows it (for a bug report)
+        if os.environ.get("AMPBRIDGE_TRACEBACK"):
+            raise
+        print(f"ampbridge {args.command}: internal error: {_one_line(e)} (AMPBRIDGE_TRACEBACK=1 shows where; "
+              "please report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,275 @@
+"""Realising the Plan: :func:`apply` (a linen module gives an :class:`Applied`, an NNX module a
+converted copy) and :func:`owns` (what this backend claims).
+
+Holds: Applied, apply, owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+
+from ...core.matching import join_path
+from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused
+from ...core.policy import Policy
+from .cast import _cast_tree
+from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _linen, _phase_policy, resolve_policy
+from .layers import _Facts, _Resolver
+from .linen import (
+    Observed,
+    _is_frozen,
+    _linen_plan,
+    _LinenInterceptor,
+    _needs_classes,
+    _param_paths,
+    _state_to_float32,
+    _trace_state,
+)
+from .nnx import _apply_nnx
+
+
+class Applied:
+    """A linen module under a policy: ``init`` and ``apply`` run every module per its Plan row.
+
+    ``init`` creates parameters in their row's ``param_dtype`` (pinned ones float32); ``apply``
+    casts parameters per module (inside your loss function, so gradients reach the stored ones),
+    runs each module in its compute dtype and returns outputs in the policy's ``output_dtype``.
+    ``plan(*x)`` is the Plan; ``observe(variables, *x)`` the dtypes every call actually saw;
+    ``at(epoch=...)`` the same model under the phase in force.
+    """
+
+    def __init__(self, module: Any, policy: Policy | str, *, _phase: tuple | None = None,
+                 _schedule: Policy | None = None, _notes: tuple[str, ...] = (), _known: dict | None = None):
+        nn = _linen()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ampbridge.jax.Applied needs a flax.linen.Module; received {type(module).__name__}")
+        if _schedule is None:
+            schedule, notes = resolve_policy(policy)
+            _phase = (0, 0)
+        else:
+            schedule, notes = _schedule, _notes
+        self.module = module
+        self.schedule = schedule  # the whole policy, phases included
+        self.policy = _phase_policy(schedule, *(_phase or (None, None)))  # the phase in force
+        self.notes = notes
+        self._resolver = _Resolver(self.policy)
+        # path -> (kind, class, facts), learnt while tracing; shared by the phases of one model
+        self._known: dict[str, tuple[str | None, str, _Facts]] = {} if _known is None else _known
+        self._lock = threading.Lock()
+        self._phases: dict[int | None, Applied] = {}
+
+    def __repr__(self) -> str:
+        return (f"Applied({type(self.module).__name__}, compute={self.policy.compute_dtype}, "
+                f"params={self.policy.param_dtype}, output={self.policy.output_dtype})")
+
+    # -- phases --
+    def at(self, *, step: int | None = None, epoch: int | None = None) -> "Applied":
+        """The model under the phase in force at ``step``/``epoch`` (cached per phase)."""
+        index = self.schedule.phase_index(step=step, epoch=epoch) if self.schedule.phases else None
+        with self._lock:
+            hit = self._phases.get(index)
+        if hit is None:
+            hit = Applied(self.module, self.schedule, _phase=(step, epoch), _schedule=self.schedule,
+                          _notes=self.notes, _known=self._known)
+            with self._lock:
+                self._phases[index] = hit
+        return hit
+
+    # -- the Flax API --
+    def _interceptor(self, observer: Callable | None = None) -> Any:
+        return _LinenInterceptor(self._resolver, record=self._known, observer=observer)
+
+    @contextlib.contextmanager
+    def _scope(self, interceptor: Any):
+        nn = _linen()
+        with jax.default_matmul_precision(MATMUL_PRECISION[self.policy.matmul_precision]):
+            with nn.intercept_methods(interceptor):
+                yield
+
+    def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+        """``module.init`` with parameters created in each row's ``param_dtype``.
+
+        Warns (:class:`ampbridge.UnmatchedRuleWarning`) once for each rule no module matched.
+        """
+        with self._scope(self._interceptor()):
+            variables = self.module.init(rngs, *args, method=method, **kwargs)
+        self._warn_unmatched()
+        return self.cast_params(variables)
+
+    def _warn_unmatched(self) -> None:
+        if getattr(self, "_warned_unmatched", False) or not self.policy.rules:
+            return
+        self._warned_unmatched = True
+        layers = [Layer(path, kind, cls) for path, (kind, cls, _) in self._known.items()]
+        build_plan(layers, self.policy, framework=FRAMEWORK, warn=True)
+
+    def init_with_output(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        with self._scope(self._interceptor()):
+            out, variables = self.module.init_with_output(rngs, *args, method=method, **kwargs)
+        self._warn_unmatched()
+        return _cast_tree(out, _DTYPES[self.policy.output_dtype]), self.cast_params(variables)
+
+    def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+              mutable: Any = False, **kwargs: Any) -> Any:
+        """``module.apply`` following the Plan; outputs in ``output_dtype``."""
+        variables = self._compute_variables(variables, args, kwargs, rngs=rngs, method=method,
+                                            mutable=mutable)
+        with self._scope(self._interceptor()):
+            result = self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable,
+                                       **kwargs)
+        out_dtype = _DTYPES[self.policy.output_dtype]
+        if mutable is not False:
+            out, state = result
+            return _cast_tree(out, out_dtype), _state_to_float32(state)
+        return _cast_tree(result, out_dtype)
+
+    __call__ = apply
+
+    def observe(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+                mutable: Any = False, **kwargs: Any) -> list[Observed]:
+        """Trace ``apply`` (abstractly: nothing runs) and return what every module call saw."""
+        seen: list[Observed] = []
+        cast_vars = self._compute_variables(variables, args, kwargs, rngs=rngs, method=method,
+                                            mutable=mutable)
+
+        def run(v: Any) -> Any:
+            with self._scope(self._interceptor(seen.append)):
+                return self.module.apply(v, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+        jax.eval_shape(run, cast_vars)
+        return seen
+
+    # -- parameters --
+    def _rows_for_paths(self, paths: Iterable[str]) -> dict[str, PlanRow]:
+        rows = {}
+        for path in paths:
+            parts = path.split(".") if path else []
+            chain = []
+            for depth in range(len(parts) + 1):
+                prefix = ".".join(parts[:depth])
+                kind, cls, _ = self._known.get(prefix, (None, "", None))
+                chain.append((prefix, kind, cls))
+            rows[path] = self._resolver.row(tuple(chain))
+        return rows
+
+    def _ensure_known(self, variables: Any, args: tuple, kwargs: dict, paths: set[str] | None = None,
+                      **apply_kw: Any) -> None:
+        if paths is None:
+            paths = _param_paths(variables.get("params", {}) if isinstance(variables, Mapping) else {})
+        if all(p in self._known for p in paths):
+            return
+        # learn the module tree (classes, kinds) by tracing once; nothing is computed
+        recorder = _LinenInterceptor(self._resolver, record=self._known, memo={})
+
+        def run() -> Any:
+            nn = _linen()
+            recorder.top_trace = _trace_state()
+            with nn.intercept_methods(recorder):
+                return self.module.apply(variables, *args, **apply_kw, **kwargs)
+
+        with gc_paused():
+            jax.eval_shape(run)
+
+    def _compute_variables(self, variables: Any, args: tuple, kwargs: dict, **apply_kw: Any) -> Any:
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            return variables
+        params = variables["params"]
+        paths = _param_paths(params)
+        self._ensure_known(variables, args, kwargs, paths, **apply_kw)
+        rows = self._rows_for_paths(paths)
+        return {**variables, "params": self._cast_by_row(params, rows, "compute_dtype")}
+
+    @staticmethod
+    def _cast_by_row(params: Any, rows: Mapping[str, PlanRow], role: str) -> Any:
+        def walk(node: Any, names: tuple[str, ...]) -> Any:
+            path = join_path(*names)
+            out = {}
+            for key, value in node.items():
+                if isinstance(value, Mapping):
+                    out[key] = walk(value, names + (str(key),))
+                else:
+                    out[key] = _cast_tree(value, _DTYPES[getattr(rows[path], role)])
+            return out
+
+        return walk(params, ())
+
+    @gc_paused()
+    def cast_params(self, variables: Any, *example_inputs: Any, **kwargs: Any) -> Any:
+        """Variables with every parameter in its row's ``param_dtype`` and mutable state float32.
+
+        Use it on a float32 checkpoint, or at a phase boundary where ``param_dtype`` changes. The
+        module tree is known once ``init``/``apply``/``plan`` ran; otherwise pass example inputs
+        (traced, not computed) when the policy has ``kind:``/``type:`` rules.
+        """
+        if not isinstance(variables, Mapping):
+            return variables
+        out = dict(_state_to_float32(variables))
+        if "params" in variables:
+            params = variables["params"]
+            paths = _param_paths(params)
+            unknown = [p for p in paths if p not in self._known]
+            if unknown and example_inputs:
+                self._ensure_known(variables, example_inputs, kwargs, paths)
+            elif unknown and _needs_classes(self.policy):
+                raise ValueError(
+                    f"cast_params: the module tree is not known yet (e.g. {unknown[0]!r}), and this policy's "
+                    "kind:/type: rules need it; call init/apply/plan first or pass example inputs: "
+                    "amp.cast_params(variables, x)")
+            rows = self._rows_for_paths(paths)
+            out["params"] = self._cast_by_row(params, rows, "param_dtype")
+        return type(variables)(out) if type(variables) is not dict and _is_frozen(variables) else out
+
+    # -- the Plan --
+    def plan(self, *example_inputs: Any, rngs: Any = None, method: Any = None, warn: bool = True,
+             **kwargs: Any) -> Plan:
+        """The Plan of this module under the phase in force (``example_inputs`` as for ``init``)."""
+        return _linen_plan(self.module, self.policy, example_inputs, rngs=rngs, method=method, warn=warn,
+                           notes=self.notes, known=self._known, **kwargs)
+
+
+# --- public: apply / owns ---------------------------------------------------------------------
+
+def apply(module: Any, policy: Policy | str) -> Any:
+    """Run a Flax module under a policy.
+
+    A ``flax.linen.Module`` gives an :class:`Applied` (``init``/``apply``/``plan``); a
+    ``flax.nnx.Module`` gives a copy of it whose calls follow the Plan (the original is left as it
+    was). A policy with ``[[phase]]`` tables starts in its first phase; see :class:`Schedule`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, ampbridge
+        >>> amp = apply(nn.Dense(3), ampbridge.preset("mixed_bfloat16"))
+        >>> v = amp.init(jax.random.key(0), jnp.ones((1, 2)))
+        >>> v["params"]["kernel"].dtype, amp.apply(v, jnp.ones((1, 2))).dtype
+        (dtype('float32'), dtype('float32'))
+    """
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if linen is not None and isinstance(module, linen.Module):
+        return Applied(module, policy)
+    if nnx is not None and isinstance(module, nnx.Module):
+        resolved, notes = resolve_policy(policy)
+        return _apply_nnx(module, _phase_policy(resolved), notes)
+    raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
+                    f"{type(module).__module__}.{type(module).__qualname__}. For plain pytrees "
+                    "(equinox, haiku) use ampbridge.jax.cast(tree, policy)")
+
+
+def owns(obj: Any) -> bool:
+    """True for Flax modules (linen, NNX) and :class:`Applied`.
+
+    Plain pytrees are not claimed (the registry caches its answer per type, and a ``dict`` may
+    hold any framework's tensors): plan them with ``ampbridge.jax.plan(tree, policy)``.
+    """
+    if isinstance(obj, Applied):
+        return True
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if linen is not None and isinstance(obj, linen.Module):
+        return True
+    return nnx is not None and isinstance(obj, nnx.Module)

@@ -1,0 +1,95 @@
+"""Casting pytrees (equinox, haiku, a params dict): floating leaves only, whole trees or per Plan
+row of the module owning each leaf.
+
+Holds: cast, cast_to_compute, cast_to_param, cast_to_output, _cast_leaf, _cast_tree, _row_for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ...core.matching import join_path
+from ...core.plan import Plan, PlanRow, build_plan
+from ...core.policy import Policy
+from .. import common as _common
+from .environment import FRAMEWORK, _is_float_array, _phase_policy, dtype, resolve_policy
+from .layers import _key_name, _tree_layers
+
+
+def _cast_leaf(x: Any, to: np.dtype) -> Any:
+    if _is_float_array(x) and x.dtype != to:
+        return x.astype(to)
+    return x
+
+
+def _cast_tree(tree: Any, to: np.dtype) -> Any:
+    return jax.tree_util.tree_map(lambda x: _cast_leaf(x, to), tree)
+
+
+def _row_for(plan: Plan, path: str) -> PlanRow | None:
+    while True:
+        if path in plan:
+            return plan[path]
+        if not path:
+            return None
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def cast(tree: Any, policy: Policy | str | Any, to: str = "compute", *,
+         plan: Plan | bool | None = None) -> Any:
+    """Cast the floating leaves of a pytree; ints, bools and non-array leaves pass through.
+
+    ``policy`` is a Policy (``to`` picks its ``"compute"``, ``"param"`` or ``"output"`` dtype)
+    or a dtype (a name such as ``"bf16"``, or a JAX dtype). With ``plan`` (a Plan, or True to
+    plan the tree's own key paths against the policy's path rules), each leaf takes the row of the
+    module that owns it: a leaf ``encoder/norm/scale`` follows the row of ``encoder.norm``. A new
+    tree is returned; the input is never modified.
+
+    Example:
+        >>> import jax.numpy as jnp, ampbridge
+        >>> p = ampbridge.Policy(compute_dtype="bf16", keep_float32=("norm",))
+        >>> tree = {"dense": {"w": jnp.ones(2)}, "norm": {"scale": jnp.ones(2)}, "step": 3}
+        >>> out = cast(tree, p, plan=True)
+        >>> out["dense"]["w"].dtype, out["norm"]["scale"].dtype, out["step"]
+        (dtype(bfloat16), dtype('float32'), 3)
+    """
+    roles = {"compute": "compute_dtype", "param": "param_dtype", "output": "output_dtype"}
+    if to not in roles:
+        raise ValueError(f"cast: to={to!r} is not accepted; accepted: {', '.join(roles)}")
+    if not isinstance(policy, Policy):
+        if plan:
+            raise ValueError("cast: plan= needs a Policy, not a dtype")
+        return _cast_tree(tree, dtype(policy))
+    policy = _phase_policy(_common.environment(policy, FRAMEWORK)[0])  # the bisect switch reaches pytrees too
+    if policy.compute_dtype == "auto":
+        policy = resolve_policy(policy, warn=False)[0]
+    if not plan:
+        return _cast_tree(tree, dtype(getattr(policy, roles[to])))
+    if plan is True:  # kind:/type: rules cannot match a bare tree; no unmatched-rule warnings
+        plan = build_plan(_tree_layers(tree), policy, framework=FRAMEWORK, warn=False)
+    role = roles[to]
+
+    def leaf(keypath: tuple, x: Any) -> Any:
+        row = _row_for(plan, join_path(*[_key_name(k) for k in keypath[:-1]]))
+        target = getattr(row, role) if row is not None else getattr(policy, role)
+        return _cast_leaf(x, dtype(target))
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def cast_to_compute(tree: Any, policy: Policy) -> Any:
+    """``cast(tree, policy, "compute")`` (jmp's name)."""
+    return cast(tree, policy, "compute")
+
+
+def cast_to_param(tree: Any, policy: Policy) -> Any:
+    """``cast(tree, policy, "param")`` (jmp's name)."""
+    return cast(tree, policy, "param")
+
+
+def cast_to_output(tree: Any, policy: Policy) -> Any:
+    """``cast(tree, policy, "output")`` (jmp's name)."""
+    return cast(tree, policy, "output")

@@ -1,0 +1,309 @@
+"""flax.linen: the method interceptor that runs every module call in its Plan row's dtypes, the
+planning memo (a repeated leaf call traced once), and the linen Plan.
+
+Holds: Observed, _LinenInterceptor, _linen_plan, _linen_chain, _attributes, _call_key, _Memo,
+_own_param_counts, _param_paths, _state_to_float32, _needs_classes, _is_frozen, _trace_state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ...core.matching import join_path
+from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused
+from ...core.policy import Policy
+from .cast import _cast_tree
+from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _floating, _is_float_array, _linen
+from .layers import (
+    _class_name,
+    _Facts,
+    _facts,
+    _has_field,
+    _is_float_dtype_or_none,
+    _kind_of,
+    _Resolver,
+    _row_notes,
+)
+from .watch import _watch, _watch_inputs, _watch_output_gradients, _watch_outputs, _watched
+
+
+def _linen_path(module: Any) -> str:
+    return join_path(*[str(p) for p in module.path])
+
+
+def _linen_chain(module: Any, cache: dict | None = None) -> tuple[tuple[str, str | None, str], ...]:
+    """(path, kind, class) of the module and its ancestors, root first; ``cache`` (by ``id``, the
+    module kept alive beside its chain) spares recomputing the ancestors' part."""
+    nn = _linen()
+    if cache is not None:
+        hit = cache.get(id(module))
+        if hit is not None and hit[0] is module:
+            return hit[1]
+    parent = module.parent
+    head = _linen_chain(parent, cache) if isinstance(parent, nn.Module) else ()
+    chain = head + ((_linen_path(module), _kind_of(module, "linen"), _class_name(module)),)
+    if cache is not None:
+        cache[id(module)] = (module, chain)
+    return chain
+
+
+@contextlib.contextmanager
+def _attributes(module: Any, **values: Any):
+    """Set a Flax module's own dtype attributes for one call (bound clones only), then restore."""
+    old = {}
+    for name, value in values.items():
+        if value is None or not _has_field(module, name):
+            continue
+        current = getattr(module, name, None)
+        if not _is_float_dtype_or_none(current):
+            continue  # an integer "dtype" means something else; leave it
+        old[name] = current
+        object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            object.__setattr__(module, name, value)
+
+
+class Observed(NamedTuple):
+    """The dtypes one module call actually saw (from :meth:`Applied.observe`)."""
+
+    path: str
+    class_name: str
+    method: str
+    inputs: tuple[str, ...]  # floating inputs, as the module's method received them
+    params: tuple[str, ...]  # the module's own floating parameters, as it read them
+    outputs: tuple[str, ...]  # floating outputs, after the row's output cast
+
+
+def _float_dtypes(tree: Any) -> tuple[str, ...]:
+    return tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x))
+
+
+def _trace_state() -> Any:
+    """The JAX trace in force (comparable with ``==``), or None where this JAX cannot say."""
+    try:
+        from jax.extend.core import get_opaque_trace_state
+        return get_opaque_trace_state()
+    except (ImportError, AssertionError):  # pragma: no cover - older JAX, or no trace at all
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _config_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name"))
+
+
+def _inputs_key(tree: Any, compute: np.dtype) -> tuple | None:
+    """Structure, shapes and dtypes (after the cast to ``compute``) of a call's inputs, static values
+    as themselves; None where an input is a concrete array (a module may branch on its values)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    parts: list[Any] = [treedef]
+    for x in leaves:
+        if isinstance(x, jax.core.Tracer):
+            aval = x.aval
+            cast = _floating(x.dtype) and x.dtype != compute
+            parts.append((aval.shape, compute if cast else x.dtype, not cast and aval.weak_type))
+        elif x is None or isinstance(x, (bool, int, float, str)):
+            parts.append((type(x), x))
+        else:
+            return None
+    return tuple(parts)
+
+
+def _call_key(module: Any, method: str, args: tuple, kwargs: dict, row: PlanRow) -> tuple | None:
+    """What a module call's result can depend on while planning: its class, its configuration (with
+    the row's dtypes set), the method, the inputs' shapes and dtypes, and the row's output dtype.
+
+    None where any of them cannot be compared safely (modules or arrays as fields, unhashables).
+    """
+    try:
+        config = tuple(getattr(module, name) for name in _config_fields(type(module)))
+    except TypeError:  # not a dataclass
+        return None
+    nn = _linen()
+    if any(isinstance(v, (nn.Module, jax.Array, np.ndarray)) for v in config):
+        return None
+    inputs = _inputs_key((args, kwargs), _DTYPES[row.compute_dtype])
+    if inputs is None:
+        return None
+    key = (type(module), config, method, inputs, row.output_dtype)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _Memo(NamedTuple):
+    """A leaf call's result while planning: its outputs (tracers of the planning trace) and the
+    module's own parameter count."""
+
+    out: Any
+    params: int
+
+
+def _own_param_count(module: Any) -> int:
+    if module.scope is None:
+        return 0
+    own = module.variables.get("params", {})
+    return sum(int(np.prod(np.shape(v))) for v in jax.tree_util.tree_leaves(own))
+
+
+class _LinenInterceptor:
+    """The method interceptor: every module method runs in its Plan row's dtypes.
+
+    With ``memo`` (planning only: under ``jax.eval_shape``, nothing computed), a *leaf* call (one
+    during which no other module was called) is traced once per :func:`_call_key`; a later call
+    with the same key gets the first one's outputs back (their shapes and dtypes are what a Plan
+    needs) and the module's parameter count is taken from the first. Tracing the maths of 10,000
+    layers costs seconds; a Plan only needs the module tree. Only calls in the planning trace
+    itself are memoised, never inside a lifted transform (``nn.scan``, ``nn.remat``, ...).
+    """
+
+    def __init__(self, resolver: _Resolver, *, record: dict | None = None,
+                 observer: Callable[[Observed], None] | None = None, memo: dict | None = None):
+        self.resolver = resolver
+        self.record = record
+        self.observer = observer
+        self.memo = memo
+        self.memo_params: dict[str, int] = {}  # paths answered from the memo -> own parameter count
+        self.top_trace: Any = None  # the planning trace (memo only)
+        self.modules: list[Any] = []  # the module of each call in progress (memo only)
+        self.entered = 0  # calls of another module than the caller's so far (memo only)
+        self.depth = 0  # module calls in progress; 0 on entry: the model's own (outermost) call
+        self.chains: dict[int, tuple] = {}  # id(module) -> (module, its chain), for this trace
+
+    def __call__(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+        module = context.module
+        chain = _linen_chain(module, self.chains)
+        path, kind, class_name = chain[-1]
+        if self.record is not None and path not in self.record:
+            self.record[path] = (kind, class_name, _facts(module))
+        if self.memo is not None and (not self.modules or self.modules[-1] is not module):
+            self.entered += 1
+        if context.method_name == "setup":
+            return next_fun(*args, **kwargs)
+        row = self.resolver.row(chain)
+        compute = _DTYPES[row.compute_dtype]
+        watch = _watched(self.resolver, path)
+        attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
+        outermost = self.depth == 0
+        key = None
+        if self.memo is not None and not outermost and watch is None and self.observer is None:
+            with _attributes(module, **attrs):
+                key = _call_key(module, context.method_name, args, kwargs, row)
+            if key is not None and (self.top_trace is None or _trace_state() != self.top_trace):
+                key = None  # inside a lifted transform (another trace, other shapes), or cannot tell
+            hit = self.memo.get(key) if key is not None else None
+            if hit is not None:
+                self.memo_params[path] = hit.params
+                return hit.out
+        args, kwargs = _cast_tree((args, kwargs), compute)
+        if watch is not None and watch[1]:
+            args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
+        entered = self.entered
+        self.depth += 1
+        if self.memo is not None:
+            self.modules.append(module)
+        try:
+            with _attributes(module, **attrs):
+                out = next_fun(*args, **kwargs)
+        finally:
+            self.depth -= 1
+            if self.memo is not None:
+                self.modules.pop()
+        # the model's own call delivers the policy's output_dtype (the root row says so)
+        out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
+        if key is not None and self.entered == entered:
+            self.memo[key] = _Memo(out, _own_param_count(module))
+        if watch is not None:
+            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
+        if self.observer is not None:
+            own = module.variables.get("params", {}) if module.scope is not None else {}
+            params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
+            self.observer(Observed(path, class_name, context.method_name,
+                                   _float_dtypes((args, kwargs)), _float_dtypes(params),
+                                   _float_dtypes(out)))
+        return out
+
+
+def _own_param_counts(params: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+
+    def walk(node: Any, names: tuple[str, ...]) -> None:
+        path = join_path(*names)
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, names + (str(key),))
+            else:
+                counts[path] = counts.get(path, 0) + int(np.prod(np.shape(value)))
+
+    if isinstance(params, Mapping):
+        walk(params, ())
+    return counts
+
+
+def _param_paths(params: Any) -> set[str]:
+    return set(_own_param_counts(params))
+
+
+def _state_to_float32(collections: Any) -> Any:
+    """Mutable collections (batch_stats, ...) stay float32; sown intermediates stay as computed."""
+    if not isinstance(collections, Mapping):
+        return collections
+    return {name: (value if name in ("params", "intermediates") else _cast_tree(value, _DTYPES["float32"]))
+            for name, value in collections.items()}
+
+
+def _needs_classes(policy: Policy) -> bool:
+    return any(m.startswith(("kind:", "type:")) for _, rule in policy.rules for m in rule.match)
+
+
+def _is_frozen(variables: Any) -> bool:
+    try:
+        from flax.core import FrozenDict
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(variables, FrozenDict)
+
+
+@gc_paused()  # a Plan of a large model is an allocation storm; see gc_paused
+def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any = None,
+                method: Any = None, warn: bool = True, notes: tuple[str, ...] = (), known: dict | None = None,
+                _memo: bool = True, **kwargs: Any) -> Plan:
+    nn = _linen()
+    if not example_inputs and not kwargs:
+        raise TypeError("a flax.linen module's layers are only known once it runs: pass example "
+                        "inputs, as in ampbridge.plan(module, policy, x) (they are traced, not computed)")
+    record: dict[str, tuple[str | None, str, Any]] = {}
+    recorder = _LinenInterceptor(_Resolver(policy), record=record, memo={} if _memo else None)
+    if rngs is None:
+        rngs = jax.random.key(0)
+
+    def run() -> Any:
+        recorder.top_trace = _trace_state()
+        with nn.intercept_methods(recorder):
+            return module.init(rngs, *example_inputs, method=method, **kwargs)
+
+    variables = jax.eval_shape(run)
+    if known is not None:
+        for path, entry in record.items():
+            known.setdefault(path, entry)
+    counts = {**recorder.memo_params, **_own_param_counts(variables.get("params", {}))}
+    layers = [Layer(path, kind, cls, counts.get(path, 0)) for path, (kind, cls, _) in record.items()]
+    facts = {path: fact for path, (_, _, fact) in record.items()}
+    plan_notes = list(notes) + [
+        f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
+        f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
+    ]
+    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
+                      adjust=lambda row: _row_notes(row, facts.get(row.path, _Facts()), policy.output_dtype))

@@ -1,0 +1,421 @@
+"""Loss scaling as an optax transformation: the core's reference algorithm in float32/int32
+``jnp`` (jit- and scan-safe, no host sync), and the helpers that find its state in any optax state.
+
+Holds: LossScaleState, AmpState, optimizer, loss_scale, scale_loss, unscale, check,
+next_loss_scale, initial_loss_scale, reset_loss_scale, enter_phase, _advance, _mul_exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core.loss_scale import LossScaleState as ReferenceState
+from ...core.loss_scale import initial_state as _reference_initial_state
+from ...core.policy import LossScaleConfig, Policy
+from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError, warn_once
+from .environment import _optax, _phase_policy, resolve_policy
+
+
+class LossScaleState(NamedTuple):
+    """The loss-scale state as JAX arrays: every field a leaf, so jit, tree_map, ``lax.scan`` and
+    checkpoints (orbax, flax.serialization) keep all of it.
+
+    The first five fields are the reference algorithm's (``ampbridge.LossScaleState``);
+    ``min_scale_hits`` counts overflows at ``min_scale`` (the event ``on_min_scale`` acts on,
+    read on the host by :func:`check`).
+    """
+
+    scale: jax.Array  # float32
+    good_steps: jax.Array  # int32
+    hysteresis_left: jax.Array  # int32
+    steps: jax.Array  # int32
+    skipped: jax.Array  # int32
+    min_scale_hits: jax.Array  # int32
+
+    def to_reference(self) -> ReferenceState:
+        """The core's ``LossScaleState`` (host values; this reads the device)."""
+        return ReferenceState(scale=float(self.scale), good_steps=int(self.good_steps),
+                              hysteresis_left=int(self.hysteresis_left), steps=int(self.steps),
+                              skipped=int(self.skipped))
+
+    @classmethod
+    def from_reference(cls, state: ReferenceState, min_scale_hits: int = 0) -> "LossScaleState":
+        return cls(jnp.asarray(state.scale, jnp.float32), jnp.asarray(state.good_steps, jnp.int32),
+                   jnp.asarray(state.hysteresis_left, jnp.int32), jnp.asarray(state.steps, jnp.int32),
+                   jnp.asarray(state.skipped, jnp.int32), jnp.asarray(min_scale_hits, jnp.int32))
+
+
+class AmpState(NamedTuple):
+    """The state of :func:`optimizer`: the loss-scale state and the inner optimizer's state."""
+
+    loss_scale: LossScaleState
+    inner_state: Any
+
+
+def _config(policy: Policy | LossScaleConfig | str) -> tuple[LossScaleConfig, str]:
+    if isinstance(policy, LossScaleConfig):
+        cfg = policy.resolve("float16")
+        return cfg, "float16"
+    resolved, _ = resolve_policy(policy, warn=False)
+    resolved = _phase_policy(resolved)
+    return resolved.resolved_loss_scale, resolved.compute_dtype
+
+
+def _initial(cfg: LossScaleConfig) -> LossScaleState:
+    return LossScaleState.from_reference(_reference_initial_state(cfg))
+
+
+_F32_INF_BITS = 0x7F800000
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.asarray(x, np.float32).view(np.int32))
+
+
+def _mul_exact(x: jax.Array, factor: float) -> jax.Array:
+    """``float32(x * float32(factor))`` for a finite ``x >= 0``, correctly rounded, subnormals included.
+
+    XLA flushes subnormal float32 values to zero at run time (and constant folding does not), so a
+    scale that decays past 2^-126 would leave the reference trajectory. The product is formed
+    exactly (Dekker's two-product on 12-bit halves of the integer significands), then placed with
+    integer exponent arithmetic, rounding half to even into the subnormal range.
+    """
+    i32, f32 = jnp.int32, jnp.float32
+    c = np.float32(factor)
+    cbits = _f32_bits(c)
+    c_exp, c_man = (cbits >> 23) & 0xFF, cbits & 0x7FFFFF
+    mc, ec = (c_man, -149) if c_exp == 0 else (c_man | 0x800000, c_exp - 150)
+    bits = jax.lax.bitcast_convert_type(x, i32)
+    x_exp, x_man = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    mx = jnp.where(x_exp == 0, x_man, x_man | 0x800000)
+    e = jnp.where(x_exp == 0, -149, x_exp - 150) + ec  # x * c == mx * mc * 2^e exactly
+    hi = mx.astype(f32) * f32(mc)  # round-to-nearest-even of the exact product (an integer < 2^48)
+    xh, xl = (mx >> 12).astype(f32), (mx & 0xFFF).astype(f32)
+    ch, cl = f32(mc >> 12), f32(mc & 0xFFF)
+    err = (((xh * ch * f32(2.0 ** 24) - hi) + xh * cl * f32(2.0 ** 12)) + xl * ch * f32(2.0 ** 12)) + xl * cl
+    hbits = jax.lax.bitcast_convert_type(hi, i32)
+    h_exp, h_man = (hbits >> 23) & 0xFF, hbits & 0x7FFFFF
+    r_exp = h_exp + e  # the result's biased exponent when it is normal
+    normal = (jnp.clip(r_exp, 0, 255) << 23) | h_man
+    # subnormal result: round hi * 2^(e + 149) (< 2^23) to an integer; err breaks exact ties
+    y_exp = h_exp + e + 149
+    y = jnp.where(y_exp >= 1, jax.lax.bitcast_convert_type((jnp.clip(y_exp, 0, 255) << 23) | h_man, f32),
+                  f32(0.0))
+    low = jnp.floor(y)
+    tie = (y - low) == f32(0.5)
+    rounded = jnp.where(tie & (err > 0), low + 1, jnp.where(tie & (err < 0), low, jnp.round(y)))
+    out = jnp.where(hi == 0, 0, jnp.where(r_exp >= 255, _F32_INF_BITS,
+                                          jnp.where(r_exp >= 1, normal, rounded.astype(i32))))
+    return jax.lax.bitcast_convert_type(out.astype(i32), f32)
+
+
+def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array) -> tuple[LossScaleState, jax.Array]:
+    """One step of the reference algorithm in float32/int32 ``jnp``; returns (state, halted).
+
+    ``halted`` is True when ``on_min_scale = "error"`` stops the run: the reference raises before
+    backing off, so the state stays as it was (except ``min_scale_hits``) from then on.
+    """
+    i32, f32 = jnp.int32, np.float32
+    found_inf = jnp.asarray(found_inf, bool)
+    steps = s.steps + 1
+    skipped = s.skipped + found_inf.astype(i32) if cfg.skip_nonfinite else s.skipped
+    if cfg.mode != "dynamic":
+        return s._replace(steps=steps, skipped=skipped), jnp.zeros((), bool)
+    scale, good, hyst = s.scale, s.good_steps, s.hysteresis_left
+    # Plain float32 products are exact while the scale stays normal, which a normal min_scale
+    # guarantees (a flushed backoff product loses to the floor either way); otherwise go exact.
+    floor_is_normal = cfg.min_scale is not None and np.float32(cfg.min_scale) >= np.finfo(np.float32).tiny
+    if floor_is_normal:
+        def mul(factor: float) -> jax.Array:
+            return scale * f32(factor)
+    else:
+        def mul(factor: float) -> jax.Array:
+            return _mul_exact(scale, factor)
+    as_int = functools.partial(jax.lax.bitcast_convert_type, new_dtype=i32)
+    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+    exhausted = hyst <= 1
+    backoff = found_inf & exhausted
+    backed = mul(cfg.backoff_factor)
+    event = jnp.zeros((), bool)
+    if cfg.min_scale is not None:
+        # non-negative float32 values order like their bit patterns: compare those (no flushing)
+        floor_bits = _f32_bits(cfg.min_scale)
+        event = backoff & (as_int(scale) == floor_bits)
+        backed = as_f32(jnp.maximum(as_int(backed), floor_bits))
+    good_next = good + 1
+    grow = ~found_inf & (good_next == cfg.growth_interval)
+    grown = mul(cfg.growth_factor)
+    grown_ok = grow & ((as_int(grown) & _F32_INF_BITS) != _F32_INF_BITS)
+    if cfg.max_scale is not None:
+        grown = as_f32(jnp.minimum(as_int(grown), _f32_bits(cfg.max_scale)))
+    new_scale = jnp.where(backoff, backed, jnp.where(grown_ok, grown, scale))
+    new_good = jnp.where(found_inf | grow, jnp.zeros((), i32), good_next)
+    full = jnp.asarray(cfg.hysteresis, i32)
+    hyst_finite = full if cfg.consecutive_hysteresis else jnp.where(grow, full, hyst)
+    new_hyst = jnp.where(found_inf, jnp.where(exhausted, hyst, hyst - 1), hyst_finite)
+    hits = s.min_scale_hits + event.astype(i32)
+    new = LossScaleState(new_scale, new_good, new_hyst, steps, skipped, hits)
+    if cfg.on_min_scale != "error" or cfg.min_scale is None:
+        return new, jnp.zeros((), bool)
+    halted = (s.min_scale_hits > 0) | event
+    frozen = s._replace(min_scale_hits=jnp.maximum(s.min_scale_hits, 1))
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(halted, a, b), frozen, new), halted
+
+
+def next_loss_scale(config: Policy | LossScaleConfig | str, state: LossScaleState,
+                    found_inf: Any) -> LossScaleState:
+    """One step of the reference loss-scale algorithm on JAX arrays (jit- and scan-safe).
+
+    This is what :func:`optimizer` runs each step; ``found_inf`` is a boolean scalar.
+
+    Example:
+        >>> import ampbridge
+        >>> cfg = ampbridge.LossScaleConfig(mode="dynamic", initial_scale=8.0)
+        >>> s = next_loss_scale(cfg, initial_loss_scale(cfg), True)
+        >>> float(s.scale), int(s.skipped)
+        (4.0, 1)
+    """
+    cfg, _ = _config(config)
+    return _advance(cfg, state, found_inf)[0]
+
+
+def initial_loss_scale(config: Policy | LossScaleConfig | str) -> LossScaleState:
+    """The loss-scale state before the first step (the reference ``initial_state``)."""
+    cfg, _ = _config(config)
+    return _initial(cfg)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    finite = jnp.ones((), bool)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            finite = finite & jnp.all(jnp.isfinite(leaf))
+    return finite
+
+
+def _unscale_leaf(g: Any, inv: jax.Array) -> Any:
+    if not jnp.issubdtype(jnp.result_type(g), jnp.floating):
+        return g
+    if g.dtype == jnp.float32:
+        return g * inv
+    if g.dtype == jnp.float64:
+        return g * inv.astype(jnp.float64)
+    return (g.astype(jnp.float32) * inv).astype(g.dtype)  # half grads: unscale in float32
+
+
+def _host_report(kind: str, limit: float | None) -> Callable:
+    warned = [False]
+
+    def report(event: Any, steps: Any) -> None:
+        if not bool(event):
+            return
+        text = (f"loss scale overflowed at min_scale={limit} (step {int(steps)})")
+        if kind == "error":
+            raise LossScaleError(text + "; on_min_scale='error' stops the run")
+        if not warned[0]:
+            warned[0] = True
+            warnings.warn(text + ": the scale is stuck and gradients still overflow", AmpBridgeWarning,
+                          stacklevel=2)
+
+    return report
+
+
+def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callback: bool = False) -> Any:
+    """Wrap an optax transformation with the policy's loss scaling (the reference algorithm).
+
+    ``update(grads, state, params)`` takes the gradients of :func:`scale_loss`'s scaled loss,
+    unscales them (in float32), checks that all are finite and, when one is not and
+    ``skip_nonfinite`` holds, returns updates of ``-0.0`` (``p + -0.0`` is ``p`` bit for bit, even
+    for ``-0.0``) and keeps the inner state as it was. The scale then follows
+    ``ampbridge.core.loss_scale`` exactly (float32 arithmetic). Settings are closed over (static); the
+    state is an :class:`AmpState` pytree. Put it outermost: ``optimizer(optax.chain(clip, adam), p)``,
+    so every inner transformation sees unscaled gradients.
+
+    ``on_min_scale``: ``"clamp"`` stays at ``min_scale``; ``"warn"`` and ``"error"`` count the event
+    in ``min_scale_hits`` and :func:`check` (host side, where you already sync, e.g. when logging)
+    warns or raises ``LossScaleError``. With ``"error"`` the step that would raise, and every step
+    after it, is skipped with the loss-scale state frozen, as the reference's raise leaves it.
+    ``host_callback=True`` also reports from inside the step through ``jax.debug.callback``
+    (one host callback per step; the default adds none). A policy with ``[[phase]]`` tables gives
+    its first phase's loss scaling; :class:`Schedule` builds one optimizer per phase.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, ampbridge
+        >>> tx = optimizer(optax.sgd(1.0), ampbridge.preset("mixed_float16"))
+        >>> state = tx.init({"w": jnp.ones(2)})
+        >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)
+        >>> updates["w"], float(loss_scale(state).scale), int(loss_scale(state).skipped)
+        (Array([-0., -0.], dtype=float32), 32768.0, 1)
+    """
+    optax = _optax()
+    cfg, compute = _config(policy)
+    inner = optax.with_extra_args_support(inner)
+    if host_callback and cfg.on_min_scale == "clamp":
+        raise UnsupportedOptionError("ampbridge.jax.optimizer: host_callback=True reports on_min_scale "
+                                     "'warn'/'error'; this policy's on_min_scale is 'clamp'")
+    report = _host_report(cfg.on_min_scale, cfg.min_scale) if host_callback else None
+    scaled = cfg.mode in ("dynamic", "static")
+    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
+
+    def init_fn(params: Any) -> AmpState:
+        return AmpState(_initial(cfg), inner.init(params))
+
+    def update_fn(updates: Any, state: AmpState, params: Any = None, **extra: Any) -> tuple[Any, AmpState]:
+        if not isinstance(state, AmpState):
+            raise TypeError(f"ampbridge.jax.optimizer: expected the AmpState from this transformation's "
+                            f"init; received {type(state).__name__}")
+        ls = state.loss_scale
+        if scaled:
+            inv = jnp.ones((), jnp.float32) / ls.scale
+            grads = jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), updates)
+        else:
+            grads = updates
+        finite = _all_finite(grads) if checks_finite else jnp.ones((), bool)
+        new_ls, halted = _advance(cfg, ls, ~finite)
+        if report is not None:
+            event = new_ls.min_scale_hits > ls.min_scale_hits
+            jax.debug.callback(report, event, ls.steps)
+        inner_updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        skip_conditions = []
+        if cfg.skip_nonfinite:
+            skip_conditions.append(~finite)
+        if cfg.on_min_scale == "error" and cfg.min_scale is not None:
+            skip_conditions.append(halted)
+        if skip_conditions:
+            take = ~functools.reduce(jnp.logical_or, skip_conditions)
+            # -0.0, not 0.0: p + -0.0 == p bit for bit for every p (p + 0.0 turns -0.0 into +0.0)
+            inner_updates = jax.tree_util.tree_map(
+                lambda u: jnp.where(take, u, jnp.full_like(u, -0.0)), inner_updates)
+            inner_state = optax.tree_utils.tree_where(take, inner_state, state.inner_state)
+        return inner_updates, AmpState(new_ls, inner_state)
+
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return tx
+
+
+def _unwrap_variables(tree: Any) -> Any:
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return tree
+    if isinstance(tree, getattr(nnx, "Optimizer", ())):
+        tree = tree.opt_state
+
+    def value(v: Any) -> Any:
+        if isinstance(v, nnx.Variable):
+            return v.get_value() if hasattr(v, "get_value") else v.value
+        return v
+
+    return jax.tree_util.tree_map(value, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _find_states(tree: Any) -> list[LossScaleState]:
+    tree = _unwrap_variables(tree)
+    if isinstance(tree, LossScaleState):
+        return [tree]
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (AmpState, LossScaleState)))
+    return [x.loss_scale if isinstance(x, AmpState) else x for x in leaves
+            if isinstance(x, (AmpState, LossScaleState))]
+
+
+def loss_scale(opt_state: Any) -> LossScaleState:
+    """The :class:`LossScaleState` inside an optimizer state (any optax chain, ``MultiSteps``,
+    ``inject_hyperparams``, or an ``nnx.Optimizer``)."""
+    found = _find_states(opt_state)
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ValueError(f"no ampbridge loss-scale state in this optimizer state (of type "
+                         f"{type(opt_state).__name__}); build the optimizer with "
+                         "ampbridge.jax.optimizer(inner, policy) and pass its state")
+    raise ValueError(f"{len(found)} ampbridge loss-scale states in this optimizer state; wrap the whole "
+                     "optimizer once: ampbridge.jax.optimizer(optax.chain(...), policy)")
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """``loss * scale`` in (at least) float32, inside the function you differentiate.
+
+    A float16 loss is computed on in float32 here, but its own gradient is the scale itself,
+    which float16 cannot hold above 65504: compute the loss in float32 (``output_dtype``).
+    """
+    scale = loss_scale(opt_state).scale
+    loss = jnp.asarray(loss)
+    if loss.dtype == jnp.float16:
+        warnings.warn("scale_loss got a float16 loss: its gradient (the loss scale) overflows float16 "
+                      "above 65504; compute the loss in float32 (output_dtype = 'float32')",
+                      AmpBridgeWarning, stacklevel=2)
+    wide = jnp.promote_types(loss.dtype, jnp.float32)
+    return loss.astype(wide) * scale.astype(wide)
+
+
+def unscale(tree: Any, opt_state: Any) -> Any:
+    """Gradients divided by the current scale (float32 arithmetic), e.g. to log their norm."""
+    inv = jnp.ones((), jnp.float32) / loss_scale(opt_state).scale
+    return jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), tree)
+
+
+def check(opt_state: Any, policy: Policy | LossScaleConfig | str) -> ReferenceState:
+    """Read the loss-scale state on the host and act on ``on_min_scale`` (this syncs).
+
+    ``"error"`` raises :class:`ampbridge.LossScaleError` once the scale has overflowed at
+    ``min_scale`` (the optimizer has skipped every step since); ``"warn"`` warns once per policy;
+    ``"clamp"`` does nothing. Returns the state as the core's ``LossScaleState``, for logging.
+    """
+    cfg, _ = _config(policy)
+    state = loss_scale(opt_state)
+    hits = int(state.min_scale_hits)
+    reference = state.to_reference()
+    if hits and cfg.on_min_scale == "error":
+        raise LossScaleError(f"loss scale overflowed at min_scale={cfg.min_scale} (step {reference.steps}); "
+                             "on_min_scale='error' stops the run (the optimizer has skipped every step since)")
+    if hits and cfg.on_min_scale == "warn":
+        warn_once(f"loss scale is stuck at min_scale={cfg.min_scale} and gradients still overflow "
+                  f"({hits} times by step {reference.steps})", AmpBridgeWarning,
+                  key=f"ampbridge.jax.check: {cfg!r}", stacklevel=2)
+    return reference
+
+
+def reset_loss_scale(opt_state: Any, policy: Policy | LossScaleConfig | str) -> Any:
+    """The optimizer state with its loss-scale state restarted for ``policy`` (counters kept)."""
+    cfg, _ = _config(policy)
+    fresh = _initial(cfg)
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, AmpState):
+            ls = x.loss_scale
+            return x._replace(loss_scale=fresh._replace(steps=ls.steps, skipped=ls.skipped))
+        return x
+
+    return jax.tree_util.tree_map(swap, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
+
+
+def _loss_scale_configs(policy: Policy) -> Any:
+    return _phase_policy(policy).resolved_loss_scale
+
+
+def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConfig | None = None, *,
+                reset: bool = False) -> Any:
+    """The optimizer state with its loss-scale state moved into a new phase (the core's rule,
+    ``ampbridge.core.loss_scale.enter_phase``: carry, or start fresh on ``reset`` or a mode change).
+
+    Runs on the host (it reads the state once); the inner optimizer state is left as it is.
+    """
+    from ...core.loss_scale import enter_phase as reference_enter_phase
+
+    def move(x: Any) -> Any:
+        if not isinstance(x, AmpState):
+            return x
+        ls = x.loss_scale
+        before = ls.to_reference()
+        after = reference_enter_phase(config, before, previous=previous, reset=reset)
+        hits = int(ls.min_scale_hits) if after is before else 0
+        return x._replace(loss_scale=LossScaleState.from_reference(after, hits))
+
+    return jax.tree_util.tree_map(move, opt_state, is_leaf=lambda x: isinstance(x, AmpState))

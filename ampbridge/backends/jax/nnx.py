@@ -1,0 +1,247 @@
+"""flax.nnx: one walk of the model (tree mode, graph mode for shared references), its Plan, and
+the applied copy whose modules' calls follow their rows (a cached subclass per class).
+
+Holds: _nnx_layers, _nnx_plan, _apply_nnx, _NnxModel, _NnxKey, _nnx_key, _nnx_path,
+_nnx_subclass, _own_variables, _is_callable_module, _nnx_copy, _tree_mode_first.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core.matching import join_path
+from ...core.plan import Layer, Plan, build_plan, gc_paused
+from ...core.policy import Policy
+from .cast import _cast_tree
+from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _is_float_array, _nnx
+from .layers import _class_name, _facts, _is_float_dtype_or_none, _kind_of, _row_notes
+from .watch import _watch, _watch_inputs, _watch_output_gradients, _watch_outputs, _watched
+
+
+def _nnx_path(parts: Sequence[Any]) -> str:
+    return join_path(*parts)
+
+
+def _tree_mode_first(fn: Callable[..., Any], module: Any) -> Any:
+    """``fn(module, graph=False)``, else ``fn(module, graph=True)``: Flax's tree mode handles a
+    10,000-module model 2-3x faster than its graph mode but refuses shared references (tied
+    weights) and cycles, which only graph mode follows."""
+    try:
+        return fn(module, graph=False)
+    except ValueError:  # shared references or a cycle
+        return fn(module, graph=True)
+
+
+def _nnx_graph(module: Any) -> list[tuple[tuple, Any]]:
+    """(path, value) of every node and leaf, each shared one once (where first met)."""
+    return _tree_mode_first(lambda m, graph: list(_nnx().iter_graph(m, graph=graph)), module)
+
+
+class _NnxModel(NamedTuple):
+    layers: list[Layer]  # tree order, root first
+    instances: dict[str, Any]  # path -> module
+    owners: dict[str, str]  # parameter path -> the module that owns it
+    params: dict[str, tuple[Any, Any]]  # parameter path -> (its nnx.Param, its value)
+    batch_stats: list[Any]  # nnx.BatchStat variables
+
+
+def _nnx_layers(module: Any) -> _NnxModel:
+    """One walk of an NNX model: its layers, their instances, and every parameter's owner."""
+    nnx = _nnx()
+    modules: list[tuple[str, Any]] = []
+    params: dict[str, tuple[Any, Any]] = {}
+    stats: list[Any] = []
+    for keypath, value in _nnx_graph(module):
+        if isinstance(value, nnx.Module):
+            modules.append((_nnx_path(keypath), value))
+        elif isinstance(value, nnx.Param):
+            params[_nnx_path(keypath)] = (value, value.get_value())
+        elif isinstance(value, nnx.BatchStat):
+            stats.append(value)
+    modules.sort(key=lambda pm: (pm[0].count(".") + (1 if pm[0] else 0), pm[0]))
+    instances = dict(modules)
+    counts: dict[str, int] = {}
+    owners: dict[str, str] = {}
+    for path, (_, value) in params.items():
+        owner = path.rsplit(".", 1)[0] if "." in path else ""
+        while owner not in instances and owner:
+            owner = owner.rsplit(".", 1)[0] if "." in owner else ""
+        owners[path] = owner
+        counts[owner] = counts.get(owner, 0) + int(np.size(value))
+    layers = [Layer(path, _kind_of(m, "nnx"), _class_name(m), counts.get(path, 0)) for path, m in modules]
+    return _NnxModel(layers, instances, owners, params, stats)
+
+
+@gc_paused()
+def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[str, ...] = (),
+              described: _NnxModel | None = None) -> Plan:
+    layers, instances = (described or _nnx_layers(module))[:2]
+    plan_notes = list(notes) + [
+        f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
+        f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
+    ]
+    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
+                      adjust=lambda row: _row_notes(row, _facts(instances.get(row.path)), policy.output_dtype))
+
+
+_NNX_SUBCLASSES: dict[type, type] = {}
+_NNX_LOCK = threading.Lock()
+
+
+def _own_variables(module: Any) -> list[Any]:
+    """The Params a module's own ``__call__`` reads: its attributes, through containers and
+    non-callable modules (``nnx.List``), but not through callable submodules (they cast their own)."""
+    nnx = _nnx()
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(value: Any, top: bool) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, nnx.Param):
+            out.append(value)
+        elif isinstance(value, nnx.Module):
+            if not top and _is_callable_module(value):
+                return
+            for child in vars(value).values():
+                walk(child, False)
+        elif isinstance(value, (list, tuple)):
+            for child in value:
+                walk(child, False)
+        elif isinstance(value, dict):
+            for child in value.values():
+                walk(child, False)
+
+    walk(module, True)
+    return out
+
+
+def _is_callable_module(module: Any) -> bool:
+    # look in the class dicts: getattr(cls, "__call__") would find the metaclass's
+    return any("__call__" in vars(cls) for cls in type(module).__mro__ if cls is not object)
+
+
+def _nnx_subclass(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` follows the row stored on the instance."""
+    with _NNX_LOCK:
+        hit = _NNX_SUBCLASSES.get(cls)
+        if hit is not None:
+            return hit
+        original_call = cls.__call__
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
+            compute = _DTYPES[compute_name]
+            args, kwargs = _cast_tree((args, kwargs), compute)
+            watch = _watched(key, path)
+            if watch is not None and watch[1]:
+                args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
+            own = [v for v in _own_variables(self) if _is_float_array(v.get_value())
+                   and v.get_value().dtype != compute]
+            stored = [v.get_value() for v in own]
+            for var, value in zip(own, stored):
+                var.set_value(value.astype(compute))  # traced: gradients flow to the stored value
+            try:
+                # the module's name in the trace (as linen's named calls give), for profiles and tests
+                with jax.default_matmul_precision(precision), jax.named_scope(scope):
+                    out = original_call(self, *args, **kwargs)
+            finally:
+                for var, value in zip(own, stored):
+                    var.set_value(value)
+            out = _cast_tree(out, _DTYPES[output_name])
+            if final_name is not None:
+                out = _cast_tree(out, _DTYPES[final_name])
+            if watch is not None:
+                out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
+            return out
+
+        __call__.__doc__ = original_call.__doc__
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "_ampbridge_original": cls,
+                                          "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _NNX_SUBCLASSES[cls] = sub
+        return sub
+
+
+class _NnxKey:
+    """One applied NNX model: its Plan and parameter owners, kept (by identity) in every module's
+    row, so :func:`numerics` finds them again after ``nnx.split``/``nnx.merge``."""
+
+    def __init__(self, plan: Plan, owners: Mapping[str, str]):
+        self.plan = plan
+        self.owners = dict(owners)
+
+    def __repr__(self) -> str:
+        return f"<ampbridge NNX plan of {len(self.plan)} modules>"
+
+
+def _nnx_key(model: Any) -> _NnxKey | None:
+    row = getattr(model, "_ampbridge_row", None)
+    return row[-1] if isinstance(row, tuple) and row and isinstance(row[-1], _NnxKey) else None
+
+
+def _nnx_copy(module: Any) -> Any:
+    """A copy with its own modules and Variables (arrays shared): Flax's ``nnx.clone``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _tree_mode_first(_nnx().clone, module)
+
+
+def _set_static(module: Any, name: str, value: Any) -> None:
+    """``setattr`` for an attribute NNX already holds as static (a dtype): NNX's own checks, which
+    cost 75 us an attribute, cannot change anything there."""
+    nodes = getattr(module, "_pytree__nodes", None)
+    if nodes is not None and nodes.get(name, None) is False:
+        object.__setattr__(module, name, value)
+    else:
+        setattr(module, name, value)
+
+
+@gc_paused()
+def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
+    model = _nnx_copy(module)
+    described = _nnx_layers(model)
+    plan_ = _nnx_plan(model, policy, warn=True, notes=notes, described=described)
+    _, instances, owners, params, stats = described
+    for path, (var, value) in params.items():
+        want = _DTYPES[plan_[owners[path]].param_dtype]
+        if _is_float_array(value) and value.dtype != want:
+            var.set_value(value.astype(want))
+    for var in stats:
+        value = var.get_value()
+        if _is_float_array(value) and value.dtype != jnp.float32:
+            var.set_value(value.astype(jnp.float32))
+    precision = MATMUL_PRECISION[policy.matmul_precision]
+    key = _NnxKey(plan_, owners)
+    callable_paths = {p for p, m in instances.items() if _is_callable_module(m)}
+
+    def caller_of(path: str) -> str | None:
+        """The nearest enclosing callable module (its call names this one's scope)."""
+        while path:
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+            if path in callable_paths:
+                return path
+        return None
+
+    for path, sub in instances.items():
+        row = plan_[path]
+        for name, value in (("dtype", _DTYPES[row.compute_dtype]), ("param_dtype", _DTYPES[row.param_dtype])):
+            if name in vars(sub) and _is_float_dtype_or_none(current := getattr(sub, name)) and current != value:
+                _set_static(sub, name, value)
+        if path in callable_paths:
+            final = policy.output_dtype if path == "" else None
+            caller = caller_of(path) if path else None
+            scope = _class_name(sub) if path == "" else path[len(caller) + 1:] if caller else path
+            object.__setattr__(sub, "_ampbridge_row",
+                               (row.compute_dtype, row.output_dtype, final, precision, scope, path, key))
+            original = getattr(type(sub), "_ampbridge_original", type(sub))
+            object.__setattr__(sub, "__class__", _nnx_subclass(original))  # not an NNX attribute
+    return model

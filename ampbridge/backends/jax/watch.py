@@ -1,0 +1,90 @@
+"""What :func:`~ampbridge.jax.numerics` places inside module calls: the watch in force while it
+traces a model, and the identities whose backward passes report a module's non-finite output or
+gradient through the gradient of a dummy probe. Used by the linen interceptor and the NNX calls.
+
+Holds: _Watch, _WATCH, _watched, _watch, _watch_outputs, _watch_output_gradients, _watch_inputs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .environment import _is_float_array
+
+
+class _Watch:
+    """What :func:`numerics` is tracing: module paths seen (discovery) or the probes to place."""
+
+    def __init__(self, owner: Any, probes: Mapping[str, jax.Array] | None = None, *, inputs: bool = True):
+        self.owner = owner  # the linen model's resolver, or the NNX model's key
+        self.probes = probes
+        self.inputs = inputs  # watch input cotangents (else output cotangents)
+        self.seen: dict[str, None] = {}  # call order, each path once
+
+
+_WATCH: "contextvars.ContextVar[_Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
+
+
+def _watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
+    """(probe, watch inputs) for the module at ``path`` while :func:`numerics` traces this model."""
+    watch = _WATCH.get()
+    if watch is None or watch.owner is not owner:
+        return None
+    if watch.probes is None:
+        watch.seen.setdefault(path, None)
+        return None
+    probe = watch.probes.get(path)
+    return None if probe is None else (probe, watch.inputs)
+
+
+def _any_nonfinite(xs: Sequence[jax.Array]) -> jax.Array:
+    return functools.reduce(jnp.logical_or, [~jnp.all(jnp.isfinite(x)) for x in xs], jnp.zeros((), bool))
+
+
+def _flags(forward: Any, backward: Any) -> jax.Array:
+    return jnp.stack([jnp.asarray(forward, jnp.float32), jnp.asarray(backward, jnp.float32)])
+
+
+# Identities whose backward passes report through the gradient of a dummy ``probe`` (2,):
+# [0] counts calls whose forward output was non-finite (a residual of the forward pass, so it
+# crosses scan/remat boundaries like any gradient); [1] calls whose input cotangent was
+# (``_watch_inputs``) or, with ``_watch_output_gradients``, whose output cotangent was.
+@jax.custom_vjp
+def _watch_outputs(xs: tuple, probe: jax.Array) -> tuple:
+    return xs
+
+
+_watch_outputs.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)), lambda bad, ct: (ct, _flags(bad, 0)))
+
+
+@jax.custom_vjp
+def _watch_output_gradients(xs: tuple, probe: jax.Array) -> tuple:
+    return xs
+
+
+_watch_output_gradients.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)),
+                               lambda bad, ct: (ct, _flags(bad, _any_nonfinite(ct))))
+
+
+@jax.custom_vjp
+def _watch_inputs(xs: tuple, probe: jax.Array) -> tuple:
+    return xs
+
+
+_watch_inputs.defvjp(lambda xs, probe: (xs, None), lambda _, ct: (ct, _flags(0, _any_nonfinite(ct))))
+
+
+def _watch(fn: Callable, tree: Any, probe: jax.Array) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    picked = [i for i, x in enumerate(leaves) if _is_float_array(x)]
+    if not picked:
+        return tree
+    for i, x in zip(picked, fn(tuple(leaves[i] for i in picked), probe)):
+        leaves[i] = x
+    return treedef.unflatten(leaves)

@@ -1,0 +1,268 @@
+"""Realising the Plan on a Keras model: layer dtype policies, re-cast variables, output casts
+(one ``call`` wrapper per layer, which the monitor's probes share), and building under a policy.
+
+Names: ``apply``, ``scope``; ``_call_wrapper``, ``_drop_idle_wrapper``, ``_WRAPPER``, ``_is_float``,
+``_refresh_compiled``, ``_rebuild_hook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+from keras import ops
+
+from ...core.matching import compile_pattern
+from ...core.plan import build_plan
+from ...core.policy import Policy
+from ...errors import UnsupportedOptionError
+from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
+from .layers import _describe, kind_of, layers
+from .plan import _FLOATS, _same_policy, dtype_policy
+
+
+# --- apply ------------------------------------------------------------------------------------
+
+_WRAPPER = "_ampbridge_call"  # the layer's ampbridge call wrapper, kept in its __dict__
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return keras.backend.standardize_dtype(dtype) in _FLOATS
+    except ValueError:
+        return False
+
+
+def _call_wrapper(layer: Any) -> Any:
+    """The one ``call`` wrapper ampbridge puts on a layer instance (made on first use).
+
+    It carries two settings read at every call (so at every trace): ``cast``, the dtype the
+    layer's float outputs are cast to (or None), and ``probe``, the monitor's hooks on the
+    layer's inputs and outputs (or None). An instance attribute: ``Layer.__call__`` runs
+    ``self.call`` on every backend and inside jit, and JAX's ``stateless_call`` runs the model's.
+    """
+    wrapper = layer.__dict__.get(_WRAPPER)
+    if wrapper is not None:
+        return wrapper
+    inner = layer.call
+
+    @functools.wraps(inner)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        probe = call.probe
+        if probe is not None:
+            args, kwargs = probe.before(args, kwargs)
+        out = inner(*args, **kwargs)
+        if call.cast is not None:
+            out = keras.tree.map_structure(lambda t: _cast_float(t, call.cast), out)
+        if probe is not None:
+            probe.after(out)
+        return out
+
+    call.cast = None  # type: ignore[attr-defined]
+    call.probe = None  # type: ignore[attr-defined]
+    object.__setattr__(layer, _WRAPPER, call)
+    object.__setattr__(layer, "call", call)
+    return call
+
+
+def _drop_idle_wrapper(layer: Any) -> None:
+    """Remove the wrapper once it has nothing to do (unless someone wrapped ``call`` over it)."""
+    wrapper = layer.__dict__.get(_WRAPPER)
+    if wrapper is None or wrapper.cast is not None or wrapper.probe is not None:
+        return
+    del layer.__dict__[_WRAPPER]
+    if layer.__dict__.get("call") is not wrapper:
+        return  # wrapped again from outside: stays in the chain, idle
+    inner = wrapper.__wrapped__
+    if getattr(inner, "__func__", None) is type(layer).call:
+        del layer.__dict__["call"]  # back to the class's own call
+    else:
+        object.__setattr__(layer, "call", inner)
+
+
+def _set_output_cast(layer: Any, dtype: str | None) -> None:
+    """Cast the layer's float outputs to ``dtype`` (None: no ampbridge cast)."""
+    if dtype is None:
+        wrapper = layer.__dict__.get(_WRAPPER)
+        if wrapper is not None:
+            wrapper.cast = None
+            _drop_idle_wrapper(layer)
+        return
+    _call_wrapper(layer).cast = dtype
+
+
+def _cast_float(t: Any, dtype: str) -> Any:
+    if _is_float(t) and keras.backend.standardize_dtype(t.dtype) != dtype:
+        return ops.cast(t, dtype)
+    return t
+
+
+def _recast_variables(layer: Any, old_dtype: str, new_dtype: str) -> bool:
+    """Re-create the layer's own variables that follow its policy in ``new_dtype``, values kept."""
+    changed = False
+    for v in layer._trainable_variables + layer._non_trainable_variables:
+        if keras.backend.standardize_dtype(v._dtype) != old_dtype or old_dtype not in _FLOATS:
+            continue  # created with an explicit dtype (int counters, float32 LoRA...): left alone
+        value = ops.cast(v.value, new_dtype)
+        v._dtype = new_dtype
+        v._initialize(value)  # same Variable object: layers, lists and trackers stay valid
+        changed = True
+    return changed
+
+
+def _refresh_torch_params(model: Any) -> None:
+    # torch.nn.Module keeps its own ParameterDict of the variables' tensors
+    for _, layer in layers(model):
+        if "_torch_params" in layer.__dict__ or hasattr(layer, "_torch_params"):
+            layer._track_variables()
+
+
+def _refresh_compiled(model: Any) -> None:
+    # traced train/test/predict functions baked in the old dtypes: rebuild them (lazily traced)
+    for kind in ("train", "test", "predict"):
+        if getattr(model, f"{kind}_function", None) is not None:
+            getattr(model, f"make_{kind}_function")(force=True)
+
+
+def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
+    """Make every layer of ``model`` run its Plan row; returns the model (changed in place).
+
+    Each layer's ``dtype_policy`` becomes its row's (compute, param) pair; a built layer whose
+    variable dtype changes has its variables re-created in the new dtype with the same values;
+    a row whose output dtype differs from its compute dtype, every composite layer (its output
+    is its last sublayer's otherwise) and the model itself (to ``output_dtype``) get their
+    float outputs cast. Layers not yet built are set up now and
+    re-checked when they build (composite layers create their sublayers then). Compiled
+    train/test/predict functions are rebuilt, and ``matmul_precision`` is set process-wide.
+    Calling it again with another policy re-applies cleanly.
+
+    Example:
+        >>> import keras, ampbridge
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
+        >>> m = apply(m, ampbridge.preset("mixed_float16"))
+        >>> m.get_layer("head").dtype_policy.name, keras.backend.standardize_dtype(m(keras.ops.ones((1, 2))).dtype)
+        ('mixed_float16', 'float32')
+    """
+    policy, _ = resolve_policy(policy, warn=warn)
+    active = _phase0(policy)
+    set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
+    described, by_path = _describe(model)
+    requested = build_plan(described, active, framework="keras", warn=warn)
+    optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
+    recast = False
+    for row in requested:
+        layer = by_path[row.path]
+        if getattr(layer.dtype_policy, "quantization_mode", None) is not None:
+            if (layer.compute_dtype, layer.variable_dtype) != (row.compute_dtype, row.param_dtype):
+                raise UnsupportedOptionError(
+                    f"layer {row.path or '(model)'!r} is quantized ({layer.dtype_policy.name}); ampbridge "
+                    f"cannot give it compute_dtype={row.compute_dtype}, param_dtype={row.param_dtype}")
+            continue
+        new = dtype_policy(row.compute_dtype, row.param_dtype)
+        old_variable_dtype = layer.variable_dtype
+        if not _same_policy(layer.dtype_policy, new):
+            if layer.built and old_variable_dtype != row.param_dtype and (
+                    layer._trainable_variables or layer._non_trainable_variables):
+                if optimizer_built:
+                    raise UnsupportedOptionError(
+                        f"param_dtype={row.param_dtype} for layer {row.path or '(model)'!r}: its variables "
+                        f"are {old_variable_dtype} and the model's optimizer is already built on them; "
+                        "apply the policy before compiling/training, or build the model under "
+                        "ampbridge.keras.scope(policy)")
+                recast |= _recast_variables(layer, old_variable_dtype, row.param_dtype)
+            layer.dtype_policy = new
+        wanted = policy.output_dtype if row.path == "" else row.output_dtype
+        # Keras layers emit their compute dtype; a composite layer emits whatever its last
+        # sublayer does (a pinned norm at the end of an unpinned block: float32), so composites
+        # always get the cast (a no-op where the dtype already matches)
+        composite = bool(layer._layers)
+        _set_output_cast(layer, wanted if wanted != row.compute_dtype or composite else None)
+        if not layer.built:
+            _rebuild_hook(layer, model, policy)
+    if recast and _backend() == "torch":
+        _refresh_torch_params(model)
+    try:
+        object.__setattr__(model, "_ampbridge_policy", policy)
+    except AttributeError:  # pragma: no cover - exotic layer classes
+        pass
+    monitor = model.__dict__.get("_ampbridge_monitor")
+    if monitor is not None:
+        monitor._refresh()  # the rows' compute dtypes decide the underflow/overflow thresholds
+    _refresh_compiled(model)
+    return model
+
+
+def _rebuild_hook(layer: Any, model: Any, policy: Policy) -> None:
+    """Re-apply once ``layer`` is built, if building created sublayers (MultiHeadAttention...)."""
+    build = layer.build
+    if getattr(build, "_ampbridge_hook", False):
+        build = build.__wrapped__
+    root = weakref.ref(model)
+
+    @functools.wraps(build)
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        before = len(layer._flatten_layers(include_self=False))
+        out = build(*args, **kwargs)
+        object.__setattr__(layer, "build", build)
+        owner = root()
+        if owner is not None and len(layer._flatten_layers(include_self=False)) != before:
+            apply(owner, policy, warn=False)
+        return out
+
+    hooked._ampbridge_hook = True  # type: ignore[attr-defined]
+    object.__setattr__(layer, "build", hooked)
+
+
+# --- scope ------------------------------------------------------------------------------------
+
+def _creation_rule(policy: Policy, layer: Any) -> tuple[str, str] | None:
+    """The (compute, param) dtypes of the last kind:/type: rule matching a new layer, or None."""
+    kind, cls = kind_of(layer), type(layer).__name__
+    for _, rule in reversed(policy.rules):
+        for text in rule.match:
+            if text.startswith(("kind:", "type:")) and compile_pattern(text).matches("", kind, cls):
+                return (rule.compute_dtype or policy.compute_dtype, rule.param_dtype or policy.param_dtype)
+    return None
+
+
+@contextlib.contextmanager
+def scope(policy: Policy | str) -> Iterator[Policy]:
+    """Build models under ``policy``: the global Keras dtype policy is the policy's, and each
+    layer created inside gets the ``kind:``/``type:`` rules that match it (before it builds,
+    so its variables are created in the right dtype). Path rules need the finished model:
+    call :func:`apply` after building (it changes only what differs). The previous global
+    policy is restored on exit, even on error.
+
+    Example:
+        >>> import keras, ampbridge
+        >>> with scope(ampbridge.preset("mixed_float16").replace(keep_float32=("kind:norm",))):
+        ...     dense, norm = keras.layers.Dense(2), keras.layers.LayerNormalization()
+        >>> dense.dtype_policy.name, norm.dtype_policy.name, keras.config.dtype_policy().name
+        ('mixed_float16', 'float32', 'float32')
+    """
+    policy = _phase0(resolve_policy(policy)[0])
+    previous = keras.config.dtype_policy()
+    layer_class = keras.layers.Layer
+    original_init = layer_class.__dict__["__init__"]
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        decided = _creation_rule(policy, self)
+        if decided is not None:
+            self._dtype_policy = dtype_policy(*decided)
+
+    keras.config.set_dtype_policy(dtype_policy(policy.compute_dtype, policy.param_dtype))
+    layer_class.__init__ = init
+    try:
+        yield policy
+    finally:
+        layer_class.__init__ = original_init
+        keras.config.set_dtype_policy(previous)

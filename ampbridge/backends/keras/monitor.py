@@ -1,0 +1,472 @@
+"""The numerics monitor: per-layer gradient statistics and where a non-finite step started,
+written as the shared run log (``ampbridge report`` reads it), in ``fit`` or a custom loop.
+
+Names: ``Monitor``, ``MonitorCallback``; the probes (``_LeafProbe``, ``_RootProbe``, ``_input_probe``)
+and the model-side slots (``_Slot``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from ...core.policy import Policy
+from ...errors import UnsupportedOptionError
+from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refresh_compiled
+from .environment import _backend, _phase0
+from .layers import _children, layers
+from .loss_scale import LossScaleOptimizer, _model_of, _replicas
+from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec
+from .plan import plan
+
+# --- the numerics monitor -----------------------------------------------------------------------
+#
+# Where each number comes from (the same on TensorFlow, JAX and torch):
+# * per-layer gradient statistics, found_inf, the scale used: the LossScaleOptimizer, which sees
+#   the scaled gradients in `apply` / `stateless_apply`, computes them in keras.ops inside the
+#   train step and keeps them in two optimizer variables (left out of checkpoints);
+# * the forward flags (the first leaf layer whose output went non-finite, in execution order),
+#   the backward flags (TensorFlow and torch: the first leaf, in backward execution order, whose
+#   input gradient went non-finite) and the step's loss: scalar variables that Keras threads
+#   through every backend's train step as non-weight layer state (the slot JAX's stateless
+#   calls give seed-generator states), written by ampbridge's `call` wrapper on each leaf and
+#   by a wrapper on `model.compute_loss`.
+# The host reads all of it once per step, as one array (one transfer).
+
+_SLOT_NAMES = ("forward", "backward", "loss", "loss_seen")  # the model-side values, in record order
+
+
+class _Slot:
+    """A float32 scalar that Keras carries through every backend's train step without it being a
+    weight: kept in the model's seed-generator list, which ``Layer.variables`` (so JAX's
+    stateless state) includes and ``weights``, ``get_weights`` and saving leave out."""
+
+    def __init__(self, name: str, value: float):
+        self.state = keras.Variable(np.float32(value), dtype="float32", trainable=False, autocast=False,
+                                    aggregation="none", name=name)
+
+
+def _live(tensors: list[Any]) -> bool:
+    """Whether these are values of a real (possibly traced) step, not symbolic shapes."""
+    for t in tensors:
+        if keras.backend.is_keras_tensor(t) or getattr(getattr(t, "device", None), "type", None) == "meta":
+            return False
+        if type(t).__name__ == "ShapeDtypeStruct":
+            return False
+    return True
+
+
+def _mark_first(slot: _Slot, bad: Any, index: int) -> None:
+    """``slot = index`` if ``bad`` and nothing is marked yet (on the device, no sync)."""
+    current = slot.state.value
+    if _backend() == "torch":  # eager: one in-place op instead of a chain of Keras dispatches
+        import torch
+
+        with torch.no_grad():
+            current.masked_fill_(torch.logical_and(current < 0, bad), float(index))
+        return
+    slot.state.assign(ops.where(ops.logical_and(ops.less(current, 0.0), bad), np.float32(index), current))
+
+
+def _any_nonfinite(tensors: list[Any]) -> Any:
+    if _backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            finite = torch.isfinite(tensors[0]).all()
+            for t in tensors[1:]:
+                finite = finite & torch.isfinite(t).all()
+            return ~finite
+    return ops.logical_not(ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors])))
+
+
+def _input_probe(t: Any, slot: _Slot, index: int) -> Any:
+    """Identity on ``t`` whose backward marks ``index`` in ``slot`` when the gradient reaching
+    ``t`` (this layer's input gradient) is non-finite and nothing was marked before it."""
+    backend = _backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def identity(x: Any) -> Any:
+            def grad(upstream: Any) -> Any:
+                _mark_first(slot, _any_nonfinite([upstream]), index)
+                return upstream
+
+            return tf.identity(x), grad
+
+        return identity(t)
+    if backend == "torch" and t.requires_grad:
+        t = t.view_as(t)  # this layer's use of the input only
+
+        def hook(g: Any) -> None:
+            _mark_first(slot, _any_nonfinite([g]), index)
+
+        t.register_hook(hook)
+    return t
+
+
+class _LeafProbe:
+    """A leaf layer's hooks: mark the first non-finite output (forward) and input gradient."""
+
+    def __init__(self, monitor: "Monitor", index: int):
+        self.monitor, self.index = monitor, index
+
+    def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _backend() == "jax":  # JAX's backward cannot write state: parameter gradients decide there
+            return args, kwargs
+        floats = [t for t in keras.tree.flatten((args, kwargs)) if _is_float(t)]
+        if not floats or not _live(floats):
+            return args, kwargs
+        slot = self.monitor._slots["backward"]
+        return keras.tree.map_structure(lambda t: _input_probe(t, slot, self.index) if _is_float(t) else t,
+                                        (args, kwargs))
+
+    def after(self, out: Any) -> None:
+        floats = [t for t in keras.tree.flatten(out) if _is_float(t)]
+        if not floats or not _live(floats):
+            return
+        _mark_first(self.monitor._slots["forward"], _any_nonfinite(floats), self.index)
+
+
+class _RootProbe:
+    """The model's hook: a new forward pass starts with nothing marked and no loss seen."""
+
+    def __init__(self, monitor: "Monitor"):
+        self.monitor = monitor
+
+    def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        tensors = [t for t in keras.tree.flatten((args, kwargs)) if hasattr(t, "shape")]
+        if tensors and _live(tensors):
+            for name, value in (("forward", -1.0), ("backward", -1.0), ("loss_seen", 0.0)):
+                self.monitor._slots[name].state.assign(np.float32(value))
+        return args, kwargs
+
+    def after(self, out: Any) -> None:
+        pass
+
+
+class Monitor:
+    """The numerics log of a Keras model trained with ampbridge's :class:`LossScaleOptimizer`.
+
+    Writes the shared JSON Lines log (``ampbridge.diagnostics.runlog``; read it with ``ampbridge report``):
+    a header, then a record for every ``every``-th optimizer step (step 0 included) with each
+    layer's gradient statistics, and a record for every step whose gradients were non-finite,
+    with ``first_nonfinite`` naming where it started. ``fit`` users pass a
+    :class:`MonitorCallback`; a custom loop makes a ``Monitor`` once the model is built (and
+    before tracing its train step) and calls :meth:`record` after each optimizer step.
+
+    How it is computed, on every Keras backend: the optimizer sees the scaled gradients and
+    computes the statistics in ``keras.ops`` inside the train step (only on sampled steps); an
+    ampbridge ``call`` wrapper on each leaf layer marks the first non-finite output in execution
+    order, and on TensorFlow and torch the first non-finite input gradient in backward order
+    (on JAX the backward pass cannot write state, so the gradient attribution there is the last
+    leaf, in forward order, whose own parameter gradients are non-finite); the step's loss comes
+    from a wrapper on ``model.compute_loss`` or from :meth:`record`. The host reads it all as
+    one array per step (one transfer, one sync: the step's ``found_inf`` decides whether the
+    step is logged). ``attribution=False`` drops the per-step forward/backward flags.
+
+    Example (a custom loop on any backend; ``fit`` passes ``callbacks=[MonitorCallback(path)]``):
+        >>> import os, tempfile, keras, numpy as np, ampbridge
+        >>> policy = ampbridge.preset("mixed_float16").replace(loss_scale=ampbridge.LossScaleConfig(initial_scale=1024))
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="dense")])
+        >>> model = ampbridge.keras.apply(model, policy)
+        >>> model.compile(ampbridge.keras.optimizer(keras.optimizers.SGD(), policy), "mse")
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with Monitor(path, model, every=10) as monitor:
+        ...     _ = model.fit(np.ones((4, 3)), np.zeros((4, 2)), verbose=0)  # or your own loop
+        ...     record = monitor.record()
+        >>> record["step"], sorted(record["layers"]), record["layers"]["dense"]["zero"]
+        (0, ['dense'], 0.0)
+    """
+
+    def __init__(self, path: Any, model: Any, optimizer: Any = None, *, every: int = 1, attribution: bool = True):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Monitor: every must be a positive integer (log every N-th step); received "
+                             f"every={every!r}")
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"Monitor: expected a Keras model; received {type(model).__qualname__}")
+        optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if not isinstance(optimizer, LossScaleOptimizer):
+            raise UnsupportedOptionError(
+                "Monitor needs the model's optimizer to be ampbridge's LossScaleOptimizer (it sees the scaled "
+                "gradients): compile with ampbridge.keras.optimizer(inner, policy), or pass optimizer=; received "
+                f"{type(optimizer).__name__}")
+        if not model.built:
+            raise ValueError("Monitor: build the model first (call it on data, or fit/compile with an Input), "
+                             "so every layer it will run exists")
+        if int(getattr(model, "steps_per_execution", 1) or 1) > 1:
+            raise UnsupportedOptionError(
+                f"Monitor: steps_per_execution={model.steps_per_execution} runs several steps between callbacks, "
+                "so non-finite steps could not all be logged; compile with steps_per_execution=1")
+        if _replicas() > 1:
+            raise UnsupportedOptionError("Monitor: a distributed (multi-replica) run is not supported")
+        self.path, self.model, self.optimizer = path, model, optimizer
+        self.every, self.attribution = every, bool(attribution)
+        self.layers: list[str] = []
+        self._slots: dict[str, _Slot] = {}
+        self._writer: Any = None
+        self._attached = False
+        self._positions: tuple[list[int], list[int]] | None = None
+        self._next_step: int | None = None
+        self.attach()
+
+    # --- attaching to the model and optimizer ---
+
+    def _policy(self) -> Policy:
+        policy = getattr(self.model, "_ampbridge_policy", None) or self.optimizer.policy
+        if policy is None:
+            from ...core.io import preset
+
+            policy = preset("float32")
+        return _phase0(policy)
+
+    def attach(self) -> None:
+        """Start monitoring (the constructor does; again after :meth:`detach`). Re-traces the
+        model's compiled functions."""
+        if self._attached:
+            return
+        if not self._slots:
+            self._slots = {name: _Slot(f"ampbridge_monitor_{name}", value)
+                           for name, value in zip(_SLOT_NAMES, (-1.0, -1.0, np.nan, 0.0))}
+        self.model._seed_generators.extend(self._slots.values())
+        if hasattr(self.model, "compute_loss") and "compute_loss" not in self.model.__dict__:
+            inner = self.model.compute_loss
+
+            @functools.wraps(inner)
+            def compute_loss(*args: Any, **kwargs: Any) -> Any:
+                loss = inner(*args, **kwargs)
+                if loss is not None and _live([loss]):
+                    self._slots["loss"].state.assign(ops.cast(ops.reshape(loss, ()), "float32"))
+                    self._slots["loss_seen"].state.assign(np.float32(1.0))
+                return loss
+
+            object.__setattr__(self.model, "compute_loss", compute_loss)
+        object.__setattr__(self.model, "_ampbridge_monitor", self)
+        self._attached = True
+        host_step = self.optimizer.state.steps if self.optimizer.built else 0
+        self._refresh(host_step=host_step)
+        if self._writer is None:
+            from ...core.io import policy_to_dict
+            from ...diagnostics.runlog import RunLogWriter
+
+            policy = self._policy()
+            self._writer = RunLogWriter(self.path, framework=f"keras ({_backend()})",
+                                        compute_dtype=policy.compute_dtype, layers=self.layers,
+                                        policy=policy_to_dict(policy),
+                                        min_scale=self.optimizer.loss_scale_config.min_scale,
+                                        extra={"every": self.every, "attribution": self.attribution})
+
+    def _refresh(self, host_step: int | None = None) -> None:
+        """(Re)build the probes and the optimizer's layout from the model's current Plan (also after
+        :func:`apply` changes the policy, e.g. at a phase boundary)."""
+        rows = plan(self.model, self._policy(), warn=False)
+        by_path = dict(layers(self.model))
+        self.layers = [row.path for row in rows if row.path]
+        index = {path: i for i, path in enumerate(self.layers)}
+        stats, leaf_of = [], {}
+        for row in rows:
+            layer = by_path[row.path]
+            leaf = row.path != "" and not _children(layer)
+            own = [v for v in layer._trainable_variables if v.trainable]
+            if own:
+                stats.append((row.path, row.compute_dtype, tuple(id(v) for v in own)))
+            if leaf:
+                leaf_of.update({id(v): index[row.path] for v in own})
+            probe: Any = _LeafProbe(self, index[row.path]) if leaf and self.attribution else None
+            if row.path == "":
+                probe = _RootProbe(self)
+            if probe is not None:
+                _call_wrapper(layer).probe = probe
+            else:
+                wrapper = layer.__dict__.get(_WRAPPER)
+                if wrapper is not None:
+                    wrapper.probe = None
+                    _drop_idle_wrapper(layer)
+        self._positions = None
+        previous = self.optimizer._monitor
+        steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
+        self.optimizer._attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
+        _refresh_compiled(self.model)
+
+    def detach(self) -> None:
+        """Stop monitoring: the model and optimizer run as before (the log stays open)."""
+        if not self._attached:
+            return
+        if getattr(self.model, "_jax_state", None) and not getattr(self.model, "_jax_state_synced", True):
+            self.model.jax_state_sync()  # the traced state holds the slots: put it back first
+        for _, layer in layers(self.model):
+            wrapper = layer.__dict__.get(_WRAPPER)
+            if wrapper is not None and isinstance(wrapper.probe, (_LeafProbe, _RootProbe)):
+                wrapper.probe = None
+                _drop_idle_wrapper(layer)
+        for slot in self._slots.values():
+            self.model._seed_generators.remove(slot)
+        if "compute_loss" in self.model.__dict__:
+            del self.model.__dict__["compute_loss"]
+        self.model.__dict__.pop("_ampbridge_monitor", None)
+        self.optimizer._attach_monitor(None)
+        _refresh_compiled(self.model)
+        self._attached = False
+
+    def close(self) -> None:
+        """Detach and close the log."""
+        self.detach()
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reading a step ---
+
+    def _record_tensors(self, non_trainable_variables: Any, optimizer_variables: Any) -> tuple[Any, Any, list]:
+        if self._positions is None:  # found once per attach: walking the model every step costs
+            opt_index = {id(v): i for i, v in enumerate(self.optimizer.variables)}
+            model_index = {id(v): i for i, v in enumerate(self.model.non_trainable_variables)}
+            self._positions = ([opt_index[id(v)] for v in self.optimizer._monitor_variables],
+                               [model_index[id(self._slots[n].state)] for n in _SLOT_NAMES])
+        opt_at, slot_at = self._positions
+        if optimizer_variables is not None:
+            head, stats = (optimizer_variables[i] for i in opt_at)
+        else:
+            head, stats = (v.value for v in self.optimizer._monitor_variables)
+        if non_trainable_variables is not None:
+            slots = [non_trainable_variables[i] for i in slot_at]
+        else:
+            slots = [self._slots[n].state.value for n in _SLOT_NAMES]
+        return head, stats, slots
+
+    def record(self, loss: Any = None, *, non_trainable_variables: Any = None,
+               optimizer_variables: Any = None) -> dict[str, Any] | None:
+        """Read the last optimizer step's record (one transfer) and log it if it is sampled or
+        non-finite; returns what was logged (a dict as in the log), or None.
+
+        ``loss``: the step's unscaled loss, where it did not go through ``model.compute_loss``
+        (a custom loop). ``non_trainable_variables`` / ``optimizer_variables``: the value lists
+        a functional JAX step returned (``stateless_call`` / ``stateless_apply``), when they are
+        not assigned back to the variables before this call.
+        """
+        if not self._attached:
+            raise ValueError("Monitor.record: the monitor is detached; call attach() first")
+        if not self.optimizer._monitor_variables:
+            raise ValueError("Monitor.record: no optimizer step has run yet (the optimizer is not built)")
+        head, stats, slots = self._record_tensors(non_trainable_variables, optimizer_variables)
+        # the step is the one after the last recorded (checked below): the statistics travel only
+        # on sampled steps, with the rest, as one array
+        expected = self._next_step
+        want_stats = expected is None or expected % self.every == 0
+        parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
+        values = _fetch(parts)
+        head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
+        forward, backward, slot_loss, loss_seen = rest[:4]
+        step = int(head_v[0]) * _SPLIT + int(head_v[1])
+        scale, found_inf, skipped = float(head_v[2]), bool(head_v[3]), bool(head_v[4])
+        param_first, sampled = int(head_v[5]), bool(head_v[6])
+        if expected is not None and step == expected - 1:
+            return None  # no optimizer step since the last record: already logged (or not to be)
+        self._next_step = step + 1
+        if sampled and not want_stats:  # record() was not called after every step: read them now
+            stats_v = _fetch([stats])
+        else:
+            stats_v = rest[5 if loss is not None else 4:]
+        if loss is not None:
+            step_loss: float | None = float(rest[4])
+        else:
+            step_loss = float(slot_loss) if loss_seen else None
+        if not (sampled or found_inf):
+            return None
+        stats_by_layer = {}
+        if sampled:
+            spec = self.optimizer._monitor
+            rows = stats_v.reshape(-1, _ROW_SIZE)
+            for (path, _, _), row in zip(spec.stats, rows):
+                counts = [int(row[i]) * _SPLIT + int(row[i + 1]) for i in range(2, _ROW_SIZE, 2)]
+                zero, nonfinite, under, over, size = counts
+                if size == 0:
+                    continue  # no gradients reached this layer's variables
+                finite = size - nonfinite
+                stats_by_layer[path] = {
+                    "grad_max_abs": float(row[0]) / scale if finite else float("nan"),
+                    "grad_rms": float(row[1]) / scale if finite else float("nan"),
+                    "zero": zero / size, "nonfinite": nonfinite / size,
+                    "underflow": under / size, "overflow": over / size}
+        first = None
+        if found_inf and self.attribution:
+            loss_bad = step_loss is not None and not np.isfinite(step_loss)
+            if forward >= 0:
+                first = {"path": self.layers[int(forward)], "where": "output"}
+            elif loss_bad:
+                first = {"path": "", "where": "loss"}
+            elif backward >= 0:
+                first = {"path": self.layers[int(backward)], "where": "gradient"}
+            elif param_first >= 0:
+                first = {"path": self.layers[param_first], "where": "gradient"}
+            else:
+                first = {"path": "", "where": "loss"}
+        logged_loss = step_loss if step_loss is not None and np.isfinite(step_loss) else None
+        self._writer.step(step, loss=logged_loss, loss_scale=scale, found_inf=found_inf, skipped=skipped,
+                          layers=stats_by_layer, first_nonfinite=first)
+        return {"step": step, "loss": logged_loss, "loss_scale": scale, "found_inf": found_inf,
+                "skipped": skipped, "first_nonfinite": first, "layers": stats_by_layer}
+
+
+class MonitorCallback(keras.callbacks.Callback):
+    """Writes the numerics log (see :class:`Monitor`) during ``fit``.
+
+    ``every``: per-layer statistics on every N-th optimizer step (step 0 included); steps whose
+    gradients were non-finite are always logged. One callback writes one log: the model stays
+    monitored after ``fit`` returns, so fitting again with the same callback appends to the log
+    (step numbers continue) without re-tracing the train step; :meth:`close` detaches the
+    monitor (the next ``fit`` re-traces without it) and closes the log.
+
+    Example:
+        >>> import os, tempfile, keras, numpy as np, ampbridge
+        >>> policy = ampbridge.preset("mixed_float16").replace(loss_scale=ampbridge.LossScaleConfig(initial_scale=1024))
+        >>> model = ampbridge.keras.apply(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), policy)
+        >>> model.compile(ampbridge.keras.optimizer(keras.optimizers.SGD(), policy), "mse")
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> x, y = np.ones((8, 3)), np.zeros((8, 2))
+        >>> sample_weight = np.array([1, 1, np.inf, 1, 1, 1, 1, 1])  # step 1 goes non-finite
+        >>> _ = model.fit(x, y, sample_weight=sample_weight, batch_size=2, shuffle=False, verbose=0,
+        ...               callbacks=[MonitorCallback(path, every=2)])
+        >>> from ampbridge.diagnostics.runlog import read_log
+        >>> [(s["step"], s["skipped"], bool(s["layers"])) for s in read_log(path).steps]
+        [(0, False, True), (1, True, False), (2, False, True)]
+    """
+
+    def __init__(self, path: Any, every: int = 1, *, attribution: bool = True):
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"MonitorCallback: every must be a positive integer (log every N-th step); "
+                             f"received every={every!r}")
+        self.path, self.every, self.attribution = path, every, attribution
+        self.monitor: Monitor | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.monitor is None:
+            self.monitor = Monitor(self.path, self.model, every=self.every, attribution=self.attribution)
+        else:
+            self.monitor.attach()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.monitor is None:
+            return
+        state = getattr(_model_of(self), "_jax_state", None)
+        if state:
+            self.monitor.record(non_trainable_variables=state["non_trainable_variables"],
+                                optimizer_variables=state["optimizer_variables"])
+        else:
+            self.monitor.record()
+
+    def close(self) -> None:
+        """Detach the monitor from the model and close the log."""
+        if self.monitor is not None:
+            self.monitor.close()

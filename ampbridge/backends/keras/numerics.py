@@ -1,0 +1,134 @@
+"""The numerics kernels the monitor's record is made of, in ``keras.ops`` inside the train step
+(the statistics of a layer's scaled gradients, counts as exact float32 pairs) and read on the host.
+
+Names: ``_grad_stats``, ``_all``, ``_split_count``, ``_host``, ``_fetch``, ``_MonitorSpec``, and the
+record's layout (``_HEAD_SIZE``, ``_ROW_SIZE``, ``_SPLIT``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from .environment import _backend
+
+_HEAD_SIZE = 7  # step (hi, lo), scale used, found_inf, skipped, last leaf with non-finite own grads, sampled
+_ROW_SIZE = 12  # max|g|, rms(g) (scaled, finite values), then (hi, lo) counts: zero, nonfinite, underflow,
+#                 overflow, elements
+_SPLIT = 4096  # counts travel as float32 pairs (hi * 4096 + lo): exact up to 2**36
+
+
+def _all(flags: list[Any]) -> Any:
+    present = [f for f in flags if f is not None]
+    return ops.all(ops.stack(present)) if present else ops.convert_to_tensor(True)
+
+
+def _split_count(count: Any) -> tuple[Any, Any]:
+    count = ops.cast(count, "int32")
+    hi = ops.floor_divide(count, _SPLIT)
+    return ops.cast(hi, "float32"), ops.cast(ops.subtract(count, ops.multiply(hi, _SPLIT)), "float32")
+
+
+def _dense(g: Any) -> Any:
+    if _backend() == "tensorflow":
+        import tensorflow as tf
+
+        if isinstance(g, tf.IndexedSlices):  # embedding gradients
+            return tf.convert_to_tensor(g)
+    return g
+
+
+def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[int] | None = None) -> Any:
+    """One layer's row of statistics of its scaled gradients (``_runlog.layer_stats``'s definitions).
+
+    Max and RMS are of the finite scaled values (the host divides by the scale, in float64, as
+    the reference does); the RMS is taken relative to (about) the max, so it neither overflows
+    nor underflows in float32. "Below the smallest subnormal once unscaled" is tested as
+    ``|g| * 2**k < (subnormal * 2**k) * scale``, exact in float32 (powers of two) where the
+    bfloat16 and float32 subnormals themselves would be flushed to zero.
+    """
+    import math
+
+    from ...core.dtypes import formats
+
+    if not grads:
+        return ops.zeros((_ROW_SIZE,), "float32")
+    fmt = formats()[compute_dtype]
+    k = max(0, -60 - int(math.log2(fmt.smallest_subnormal)))
+    lift, threshold = np.float32(2.0 ** k), ops.multiply(np.float32(fmt.smallest_subnormal * 2.0 ** k), scale)
+    top = np.float32(fmt.max)
+    flat = [ops.reshape(ops.cast(_dense(g), "float32"), (-1,)) for g in grads]
+    absolute = [ops.abs(g) for g in flat]
+    finite = [ops.isfinite(g) for g in flat]
+    largest = ops.max(ops.stack([ops.max(ops.where(f, a, 0.0)) for a, f in zip(absolute, finite)]))
+    # XLA turns a division by a scalar into a multiplication by its reciprocal, which must stay a
+    # normal float32 (CPUs flush subnormals): the unit is the max, kept within 2**+-100 (the squares
+    # of a / unit then stay below 2**56)
+    unit = ops.clip(largest, np.float32(2.0 ** -100), np.float32(2.0 ** 100))
+
+    def total(parts: list[Any]) -> Any:
+        return ops.sum(ops.stack(parts))
+
+    def count(masks: list[Any]) -> Any:
+        return total([ops.sum(ops.cast(m, "int32")) for m in masks])
+
+    n_finite = count(finite)
+    squares = total([ops.sum(ops.where(f, ops.square(ops.divide(a, unit)), 0.0)) for a, f in zip(absolute, finite)])
+    rms = ops.multiply(unit, ops.sqrt(ops.divide(squares, ops.cast(ops.maximum(n_finite, 1), "float32"))))
+    # the variables' sizes: a densified IndexedSlices has no static shape
+    size = sum(sizes) if sizes is not None else sum(int(np.prod(g.shape)) for g in flat)
+    zero = count([ops.equal(g, 0.0) for g in flat])
+    under = count([ops.logical_and(ops.logical_and(f, ops.not_equal(g, 0.0)),
+                                   ops.less(ops.multiply(a, lift), threshold))
+                   for g, a, f in zip(flat, absolute, finite)])
+    over = count([ops.logical_and(f, ops.greater(a, top)) for a, f in zip(absolute, finite)])
+    parts = [largest, rms]
+    for c in (zero, ops.subtract(size, n_finite), under, over, size):
+        parts.extend(_split_count(c))
+    return ops.stack([ops.cast(p, "float32") for p in parts])
+
+
+# --- reading on the host ---------------------------------------------------------------------
+
+def _host(x: Any) -> np.ndarray:
+    """A tensor or variable's value on the host (a sync)."""
+    if isinstance(x, keras.Variable):
+        x = x.value
+    if _backend() == "tensorflow":  # np.array(tf.Variable) warns under numpy 2
+        import tensorflow as tf
+
+        return np.asarray(tf.convert_to_tensor(x).numpy())
+    if _backend() == "torch":  # as is np.array(torch.Tensor)
+        return x.detach().cpu().numpy()
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def _fetch(parts: list[Any]) -> np.ndarray:
+    """Tensors (and variables' values) to one flat float64 host array, in one transfer."""
+    backend = _backend()
+    if backend == "jax":
+        import jax
+
+        host = jax.device_get([p.value if isinstance(p, keras.Variable) else p for p in parts])
+        return np.concatenate([np.asarray(h, np.float64).ravel() for h in host])
+    if backend == "torch":
+        import torch
+
+        flat = torch.cat([ops.convert_to_tensor(p).detach().reshape(-1).float() for p in parts])
+        return flat.cpu().numpy().astype(np.float64)
+    return _host(ops.concatenate([ops.reshape(ops.cast(p, "float32"), (-1,)) for p in parts])).astype(np.float64)
+
+
+# --- what the optimizer computes the record from -----------------------------------------------
+
+class _MonitorSpec:
+    """What the optimizer needs to compute the record: per stats layer (path, compute dtype,
+    ids of its trainable variables), per variable of a leaf layer its index in the log's layer
+    list, the sampling period, and (torch, eager) the host's step counter."""
+
+    def __init__(self, every: int, stats: list[tuple[str, str, tuple[int, ...]]], leaf_of: dict[int, int],
+                 host_step: int):
+        self.every, self.stats, self.leaf_of, self.host_step = every, stats, leaf_of, host_step

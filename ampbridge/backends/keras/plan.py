@@ -1,0 +1,124 @@
+"""The Plan of a Keras model (the core's rules, plus the rows where Keras itself does otherwise),
+and the Keras dtype policy each row becomes.
+
+Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_adjuster``, ``_same_policy``, ``_FLOATS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from ...core.plan import Plan, PlanRow, build_plan, with_note
+from ...core.policy import Policy
+from .environment import _backend, _phase0, resolve_policy
+from .layers import _describe
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+# --- dtype policies ---------------------------------------------------------------------------
+
+@keras.saving.register_keras_serializable(package="ampbridge")
+class MixedDTypePolicy(keras.DTypePolicy):
+    """A Keras dtype policy for the (compute, variable) pairs Keras has no name for.
+
+    Keras names ``mixed_float16`` (float16 compute, float32 variables), ``mixed_bfloat16`` and
+    single dtypes; ampbridge uses those whenever they fit (so a saved model needs nothing from
+    ampbridge to reload), and this class for the rest, e.g. float32 compute with bfloat16
+    storage. Its name is ``"<compute>/<variable>"``.
+
+    Keras's ``Layer.from_config`` turns every non-quantized policy into its name and parses it
+    with ``DTypePolicy``, which knows no such pair; so a layer config records the variable dtype
+    only (weights reload exactly, in their storage dtype) and :func:`load_model` re-applies the
+    compute dtype from the policy.
+
+    Example:
+        >>> MixedDTypePolicy("float32/bfloat16").variable_dtype
+        'bfloat16'
+    """
+
+    def _parse_name(self, name: str) -> tuple[str, str]:
+        compute, sep, variable = str(name).partition("/")
+        if not sep:
+            variable = compute
+        if compute not in _FLOATS or variable not in _FLOATS:
+            raise ValueError(f"MixedDTypePolicy name must be '<compute>/<variable>' (or one dtype) with float "
+                             f"dtypes ({', '.join(_FLOATS)}); received name={name!r}")
+        return compute, variable
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.variable_dtype}
+
+
+def dtype_policy(compute_dtype: str, param_dtype: str) -> keras.DTypePolicy:
+    """The Keras dtype policy computing in ``compute_dtype`` with variables in ``param_dtype``.
+
+    Example:
+        >>> dtype_policy("float16", "float32").name
+        'mixed_float16'
+    """
+    if compute_dtype == param_dtype:
+        return keras.DTypePolicy(compute_dtype)
+    if param_dtype == "float32" and compute_dtype in ("float16", "bfloat16"):
+        return keras.DTypePolicy(f"mixed_{compute_dtype}")
+    return MixedDTypePolicy(f"{compute_dtype}/{param_dtype}")
+
+
+def _same_policy(a: Any, b: Any) -> bool:
+    return (getattr(a, "compute_dtype", None), getattr(a, "variable_dtype", None)) == (
+        getattr(b, "compute_dtype", None), getattr(b, "variable_dtype", None))
+
+
+# --- the Plan: what Keras really does per layer ---------------------------------------------------
+
+_INTERNAL_FLOAT32 = ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization")
+
+
+def _adjuster(policy: Policy, by_path: dict[str, Any]):
+    backend = _backend()
+    norms = tuple(getattr(keras.layers, n) for n in _INTERNAL_FLOAT32 if hasattr(keras.layers, n))
+
+    def adjust(row: PlanRow) -> PlanRow:
+        layer, notes, changes = by_path[row.path], [], {}
+        half = row.compute_dtype in ("float16", "bfloat16")
+        if row.path == "" and row.output_dtype != policy.output_dtype:
+            notes.append(f"model outputs cast to output_dtype {policy.output_dtype}")
+            changes["output_dtype"] = policy.output_dtype
+        if half and isinstance(layer, norms):
+            # ops.layer_normalization / batch_normalization / rms_normalization upcast to float32
+            notes.append(f"Keras normalises in float32 internally, output {row.output_dtype}")
+            changes["compute_dtype"] = "float32"
+        if row.compute_dtype == "float16" and isinstance(layer, keras.layers.Softmax) and backend == "torch":
+            if str(keras.src.backend.torch.core.get_device()) == "cpu":
+                notes.append("Keras-on-torch computes float16 softmax in float32 internally on CPU")
+                changes["compute_dtype"] = "float32"
+        parent = by_path.get(row.path.rsplit(".", 1)[0]) if "." in row.path else None
+        if row.path.endswith((".softmax", ".dropout")) and isinstance(parent, keras.layers.MultiHeadAttention):
+            notes.append("runs only when MultiHeadAttention takes its explicit path (dropout > 0, attention "
+                         "scores returned, or inputs not 3-D); otherwise ops.dot_product_attention "
+                         "computes the softmax itself")
+        if half and isinstance(layer, keras.layers.MultiHeadAttention) and backend in ("tensorflow", "jax"):
+            notes.append("ops.dot_product_attention computes logits and softmax in float32")
+        return with_note(row, "; ".join(notes), **changes) if notes else row
+
+    return adjust
+
+
+def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
+    """The Plan of a Keras model under a policy: one row per layer, what will actually run.
+
+    Rows where Keras itself overrides the request say so in their ``note`` (norm layers
+    normalise in float32 whatever their compute dtype; see the README's Keras section).
+
+    Example:
+        >>> import keras, ampbridge
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
+        >>> plan(m, ampbridge.preset("mixed_bfloat16"))["head"].compute_dtype
+        'bfloat16'
+    """
+    policy, notes = resolve_policy(policy, warn=warn)
+    described, by_path = _describe(model)
+    return build_plan(described, policy, framework=f"keras ({_backend()})",
+                      adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)

@@ -1,0 +1,48 @@
+"""PyTorch backend: ``apply(model, policy)`` realises the Plan with torch's own machinery (autocast,
+a pinned region per ruled module, in-place parameter storage, a ``GradScaler`` that follows the
+core's loss-scale algorithm); ``plan``, ``Monitor``, phases and FSDP policies come with it.
+
+Example:
+    >>> import torch, ampbridge
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> amp = ampbridge.torch.apply(model, ampbridge.preset("mixed_bfloat16").replace(keep_float32=("kind:norm",)))
+    >>> amp.plan["0"].compute_dtype, amp.plan["1"].compute_dtype, model(torch.ones(2, 4)).dtype
+    ('bfloat16', 'float32', torch.float32)
+"""
+
+from ..common import import_framework
+
+import_framework("torch", "torch")
+
+# the rooms, in layers: environment -> layers -> forward -> plan -> monitor -> loss_scale -> schedule
+# -> trace -> apply -> distributed (the room modules apply, plan and layers are shadowed here by the
+# functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
+from .apply import ModelNotSupportedError, TorchAmp, apply, plan  # noqa: E402
+from .distributed import FSDPPrecision, fsdp_policy  # noqa: E402
+from .environment import DTYPES, cpu_lstm_takes_float32_inputs, native_dtype  # noqa: E402
+from .layers import kind_of, layers, owns  # noqa: E402
+from .loss_scale import GradScaler, StepResult  # noqa: E402
+from .monitor import Monitor  # noqa: E402
+
+__all__ = [
+    "DTYPES",
+    "FSDPPrecision",
+    "GradScaler",
+    "ModelNotSupportedError",
+    "Monitor",
+    "StepResult",
+    "TorchAmp",
+    "apply",
+    "cpu_lstm_takes_float32_inputs",
+    "fsdp_policy",
+    "kind_of",
+    "layers",
+    "native_dtype",
+    "owns",
+    "plan",
+]
+
+#: doctest.testmod(ampbridge.torch) looks only at names defined in that module: this hands it the
+#: rooms' public functions and classes (their docstring examples), and the example above
+__test__ = {"overview": __doc__} | {name: obj for name, obj in globals().items()
+                                    if name in __all__ and isinstance(obj, type | type(apply))}

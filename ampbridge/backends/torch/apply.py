@@ -1,0 +1,354 @@
+"""Realising the Plan on the model: ``apply`` and the ``TorchAmp`` it returns, and ``plan`` (what
+``apply`` would run, traced with example inputs).
+
+What runs where:
+
+- **compute**: ``torch.autocast(device_type, dtype=compute_dtype)`` around the model's forward
+  (autocast's own per-op lists decide each op, exactly as in hand-written torch.amp);
+- **pins and overrides** (``keep_float32``, ``[[override]]``): the module's forward runs in its
+  own region (autocast disabled for float32, a nested ``torch.autocast`` for another dtype), its
+  floating inputs cast to the rule's compute dtype, its outputs to the rule's output dtype;
+- **parameter storage**: ``param_dtype`` casts the storage of the parameters in place (the same
+  ``Parameter`` objects, so optimizers keep working); buffers (BatchNorm running statistics) stay
+  float32; the model's floating outputs are cast to ``output_dtype``;
+- **loss scaling**: :class:`GradScaler`, a ``torch.amp.GradScaler`` subclass that follows
+  ampbridge's reference algorithm (``ampbridge.core.loss_scale``) exactly, with tensor ops only;
+- **diagnostics**: ``amp.monitor(path, every=N)`` (:class:`Monitor`) writes the numerics log
+  ``ampbridge report`` reads (per-layer gradient statistics, which layer overflowed first);
+  ``AMPBRIDGE_DISABLE=1`` / ``AMPBRIDGE_POLICY=...`` replace the policy ``apply`` is given.
+
+A policy without pins is bit-identical to plain ``torch.autocast`` + ``torch.amp.GradScaler``:
+ampbridge adds casts only where a rule or a storage dtype needs them.
+
+Holds ``apply``, ``TorchAmp``, ``plan``, ``ModelNotSupportedError`` and ``_check_model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.loss_scale import LossScaleState
+from ...core.plan import Plan, PlanRow, build_plan, with_note
+from ...core.policy import Policy
+from ...errors import AmpBridgeError, AmpBridgeWarning
+from ..common import environment
+from .environment import _device_type_of, _resolve_for_device
+from .forward import _install, _installed, _keep_slow_path, _matmul_precision, _region, _uninstall
+from .layers import layers
+from .loss_scale import GradScaler, StepResult
+from .monitor import Monitor
+from .plan import _Realisation, _realise
+from .schedule import after_step, restore_position, set_position
+from .trace import _trace
+
+log = logging.getLogger("ampbridge.torch")
+
+
+class ModelNotSupportedError(AmpBridgeError, TypeError):
+    """``apply`` was given something it cannot realise a policy on (scripted, compiled, applied)."""
+
+
+# --- apply -------------------------------------------------------------------------------------
+
+def _check_model(model: Any) -> None:
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ModelNotSupportedError(
+            "apply() needs an eager nn.Module; this is a TorchScript module, whose forward cannot be given "
+            "per-module autocast regions. Apply to the eager model, train with it, and script afterwards "
+            "(ampbridge.plan works on scripted models)")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise ModelNotSupportedError(
+            "apply() was given a torch.compile'd module; apply to the eager module first, then compile: "
+            "amp = ampbridge.torch.apply(model, policy); model = torch.compile(amp.model)")
+    if not isinstance(model, nn.Module):
+        raise ModelNotSupportedError(f"apply() needs a torch.nn.Module; received {type(model).__name__}")
+    fwd = _installed(model)
+    if fwd is not None:
+        raise ModelNotSupportedError(
+            "this model is already applied (ampbridge.torch.apply was called on it); call amp.remove() first, "
+            "or use amp.set_epoch/set_step for a schedule")
+    for path, module in model.named_modules():
+        if path and _installed(module) is not None:
+            raise ModelNotSupportedError(f"module {path!r} of this model is already part of an applied model; "
+                                         "remove that first (amp.remove())")
+
+
+def apply(model: nn.Module, policy: Policy | str | Path, device_type: str | None = None) -> "TorchAmp":
+    """Realise a policy on a model in place; returns the :class:`TorchAmp` that drives training.
+
+    ``policy``: a Policy, a preset name or a policy file path. ``device_type``: where autocast
+    runs (default: the model's parameters' device type).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+        >>> amp = apply(model, "mixed_float16")
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> bool(amp.step(model(torch.ones(3, 4)).mean(), opt))  # |grads| * 65536 stays below float16's max
+        True
+    """
+    _check_model(model)
+    # the bisect switch; warns once, at the caller
+    effective, notes = environment(policy, "torch")
+    return TorchAmp(model, effective, _device_type_of(model, device_type), notes=notes)
+
+
+class TorchAmp:
+    """A policy applied to a model: ``model``, ``scaler``, ``plan``, ``autocast()``, ``step()``.
+
+    The native torch.amp loop keeps working::
+
+        with amp.autocast():
+            loss = loss_fn(amp.model(x), y)
+        amp.scaler.scale(loss).backward(); amp.scaler.step(opt); amp.scaler.update()
+
+    ``amp.step(loss, opt)`` does the same (and runs the backward with the policy's matmul
+    precision). With a ``[[phase]]`` schedule, ``set_epoch``/``set_step`` (and ``step``, for a
+    schedule by step) switch to the phase in force.
+    """
+
+    def __init__(self, model: nn.Module, policy: Policy, device_type: str, *, notes: Sequence[str] = ()):
+        self.model = model
+        self._env_notes = tuple(notes)
+        self._monitor: Monitor | None = None
+        self.policy = policy  # the whole policy, schedule included
+        self.device_type = device_type
+        self._position = {"step": 0, "epoch": 0}
+        self._unit = policy.phase_unit
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._last_optimizers: list[Any] = []
+        self._phase_index = policy.phase_index(step=0, epoch=0) if policy.phases else None
+        phase_policy = policy.at(step=0, epoch=0)
+        resolved, notes = _resolve_for_device(phase_policy, device_type)
+        self._realisation = _realise(model, resolved, device_type, notes=self._env_notes + tuple(notes))
+        self._resolved = resolved
+        self._cast_storage(self._realisation)
+        self._install(self._realisation)
+        fp16_grads = any(d == torch.float16 for _, d in self._realisation.storage.values())
+        self.scaler = GradScaler(resolved.loss_scale, device_type, compute_dtype=resolved.compute_dtype,
+                                 allow_fp16_grads=fp16_grads)
+        self._log_applied()
+
+    # --- views
+
+    @property
+    def plan(self) -> Plan:
+        """The Plan in force (the current phase's)."""
+        return self._realisation.plan
+
+    @property
+    def active_policy(self) -> Policy:
+        """The resolved policy in force (the current phase's, ``auto`` resolved for the device)."""
+        return self._resolved
+
+    @property
+    def phase(self) -> int | None:
+        """Index of the phase in force (None without a schedule, or past a closed last phase)."""
+        return self._phase_index
+
+    def __repr__(self) -> str:
+        p = self._resolved
+        return (f"TorchAmp({type(self.model).__name__} on {self.device_type}: compute {p.compute_dtype}, "
+                f"params {p.param_dtype}, loss scale {self.scaler.config.mode})")
+
+    # --- realisation
+
+    def _cast_storage(self, realisation: _Realisation) -> None:
+        changed = []
+        with torch.no_grad():
+            for p, dtype in realisation.storage.values():
+                if p.dtype != dtype:
+                    changed.append((p, p.dtype, dtype))
+                    p.data = p.data.to(dtype)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(dtype)
+        self._recast_optimizer_state(changed)
+
+    def _recast_optimizer_state(self, changed: list[tuple[nn.Parameter, torch.dtype, torch.dtype]]) -> None:
+        # torch's optimizers need their per-parameter moments in the parameter's dtype; the values are
+        # kept (exactly when widening to float32)
+        if not changed:
+            return
+        for opt in list(self._optimizers):
+            for p, _, dtype in changed:
+                state = opt.state.get(p)
+                if not state:
+                    continue
+                for key, value in state.items():
+                    if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape
+                            and value.dtype != dtype):
+                        state[key] = value.to(dtype)
+
+    def _install(self, realisation: _Realisation) -> None:
+        modules = dict(self.model.named_modules())
+        for path, spec in realisation.specs.items():
+            _install(modules[path], spec)
+        self._hooks = [module.register_forward_pre_hook(_keep_slow_path)
+                       for path, module in modules.items() if isinstance(module, nn.TransformerEncoderLayer)
+                       and any(p != path and (not path or p.startswith(path + ".")) for p in realisation.specs)]
+
+    def _uninstall(self) -> None:
+        for _, module in self.model.named_modules():
+            _uninstall(module)
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
+        self._hooks = []
+
+    def _log_applied(self) -> None:
+        p = self._resolved
+        pins = sum(1 for r in self.plan.rows if r.rule != "default")
+        log.info("applied %s on %s: compute %s, params %s, output %s, loss scale %s; %d of %d rows ruled%s",
+                 p.source or "policy", self.device_type, p.compute_dtype, p.param_dtype, p.output_dtype,
+                 self.scaler.config.mode, pins, len(self.plan.rows),
+                 f"; matmul precision {p.matmul_precision} inside the applied scope" if p.matmul_precision != "highest"
+                 else "")
+
+    def remove(self) -> None:
+        """Undo ``apply``: the original forwards come back, parameters are stored in float32 again
+        (values kept; a float16/bfloat16 storage has already rounded them); closes a monitor."""
+        if self._monitor is not None:
+            self._monitor.close()
+        self._uninstall()
+        changed = []
+        with torch.no_grad():
+            for p, _ in self._realisation.storage.values():
+                if p.dtype != torch.float32:
+                    changed.append((p, p.dtype, torch.float32))
+                    p.data = p.data.float()
+                    if p.grad is not None:
+                        p.grad = p.grad.float()
+        self._recast_optimizer_state(changed)
+
+    # --- running
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The model-wide region (autocast in the compute dtype, the matmul precision), for the loss."""
+        root = self._realisation.specs[""]
+        with _matmul_precision(root.matmul_precision), _region(self.device_type, root.region):
+            yield
+
+    def step(self, loss: torch.Tensor, optimizer: Any | Sequence[Any]) -> StepResult:
+        """Scale, backward, unscale, skip or step, update; True (truthy) when the step was applied.
+
+        ``optimizer`` may be a sequence of optimizers sharing one loss. Gradients are not zeroed.
+        """
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if optimizers != self._last_optimizers:
+            self._optimizers.update(optimizers)
+            self._last_optimizers = optimizers
+        with _matmul_precision(self._resolved.matmul_precision):
+            self.scaler.scale(loss).backward()
+            for opt in optimizers:
+                self.scaler.step(opt)
+            self.scaler.update()
+        result = self.scaler.last_step_result
+        after_step(self)
+        return result
+
+    def monitor(self, path: str | Path, every: int = 1, *, attribution: bool = True) -> Monitor:
+        """Log loss, scale, skips, overflow origins and (every N-th step) per-layer gradient
+        statistics to ``path`` (JSON Lines, read by ``ampbridge report``); see :class:`Monitor`.
+
+        Use it as a context manager, or call ``.close()``; ``amp.remove()`` closes it too.
+        """
+        if self._monitor is not None and not self._monitor.closed:
+            raise AmpBridgeError(f"this model already has a monitor writing {str(self._monitor.path)!r}; close it "
+                                 "first (monitor.close())")
+        self._monitor = Monitor(self, path, every, attribution=attribution)
+        return self._monitor
+
+    def trace(self, *args: Any, **kwargs: Any) -> Plan:
+        """The Plan as observed in one forward on these inputs (no gradients; buffers and RNG restored).
+
+        Every row that ran says what it really computed in; rows that follow their input's dtype
+        get the observed dtype, rows that did not run say so.
+        """
+        return _trace(self, args, kwargs)
+
+    # --- schedules
+
+    def set_epoch(self, epoch: int, optimizers: Iterable[Any] = ()) -> None:
+        """Tell amp the epoch (for a schedule by epoch: switch to the phase in force).
+
+        ``optimizers``: optimizers whose state must follow a parameter-storage change (those used
+        with ``amp.step`` are known already).
+        """
+        set_position(self, "epoch", epoch, optimizers)
+
+    def set_step(self, step: int, optimizers: Iterable[Any] = ()) -> None:
+        """Tell amp the global step (for a schedule by step: switch to the phase in force)."""
+        set_position(self, "step", step, optimizers)
+
+    # --- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state (five reference fields) and the schedule position, for checkpoints."""
+        return {"loss_scale": self.scaler.loss_scale_state().to_dict(), "step": self._position["step"],
+                "epoch": self._position["epoch"], "phase": self._phase_index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the phase in force follows the saved position)."""
+        unknown = set(state) - {"loss_scale", "step", "epoch", "phase"}
+        if "loss_scale" not in state or unknown:
+            raise ValueError(f"not an ampbridge.torch state dict: needs 'loss_scale' (and step, epoch, phase); "
+                             f"unknown keys {sorted(unknown)}")
+        restore_position(self, int(state.get("step", 0)), int(state.get("epoch", 0)))
+        self.scaler.load_loss_scale_state(LossScaleState.from_dict(state["loss_scale"]))
+
+
+# --- plan (what apply would run; traced with example inputs) --------------------------------
+
+def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, device_type: str | None = None,
+         **example_kwargs: Any) -> Plan:
+    """The Plan of a model under a policy (what ``apply`` would run).
+
+    With example inputs, one forward runs (on a copy, applied, without gradients) and every row
+    shows the dtype its module really computed in.
+
+    Example:
+        >>> import torch
+        >>> p = plan(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1)), "mixed_bfloat16")
+        >>> p["1"].note
+        "follows its input's dtype: cpu autocast leaves Softmax alone (bfloat16 when fed by a bfloat16 layer)"
+    """
+    policy, env_notes = environment(policy, "torch", warn=False)  # what apply would run
+    if not example_inputs and not example_kwargs:
+        device_type = _device_type_of(model, device_type) if not isinstance(model, torch.jit.ScriptModule) else (
+            device_type or "cpu")
+        resolved, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
+        notes = list(env_notes) + notes
+        if isinstance(model, torch.jit.ScriptModule):
+            def model_output(row: PlanRow) -> PlanRow:
+                out = resolved.output_dtype
+                if row.path or row.output_dtype == out:
+                    return row
+                note = f"model outputs cast to output_dtype {out}" if out != row.compute_dtype else None
+                return with_note(row, note, output_dtype=out)
+
+            built = build_plan(layers(model), resolved, framework="torch", adjust=model_output)
+            return Plan(built.rows, built.policy, "torch", built.unmatched_rules,
+                        tuple(notes) + ("a TorchScript module: rows as requested (autocast's per-op behaviour "
+                                        "is not inspected)",))
+        return _realise(model, resolved, device_type, notes=notes).plan
+    if isinstance(model, torch.jit.ScriptModule) or _installed(model) is not None:
+        raise ModelNotSupportedError("plan(model, policy, *example_inputs) traces an eager, un-applied model; "
+                                     "for an applied one call amp.trace(*example_inputs)")
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AmpBridgeWarning)
+        _check_model(twin)
+        amp = TorchAmp(twin, policy, _device_type_of(twin, device_type), notes=env_notes)
+    # the unmatched-rule warnings belong to the caller, once
+    _realise(model, amp.active_policy, amp.device_type)
+    return amp.trace(*example_inputs, **example_kwargs)

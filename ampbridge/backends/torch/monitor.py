@@ -1,0 +1,424 @@
+"""The numerics monitor: per-layer gradient statistics, overflow attribution (which layer went
+non-finite first) and the run log ``ampbridge report`` reads.
+
+Holds ``Monitor`` and ``_to_host`` (its one device-to-host transfer per logged step).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .plan import _bypassed
+
+# --- the numerics monitor ----------------------------------------------------------------------
+
+#: steps a monitor keeps on the device while the host has not learnt their found_inf (a fused
+#: optimizer, or skip_nonfinite = false); it reads them together at the next sampled step, or here
+_PENDING_LIMIT = 1000
+
+
+def _to_host(values: torch.Tensor) -> list[float]:
+    """The monitor's one device-to-host transfer for a logged step (tests count the calls)."""
+    return values.to("cpu").tolist()
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.layout is not torch.strided else grad
+
+
+def _extremes(t: torch.Tensor, values: list[torch.Tensor], who: list[int], index: int) -> None:
+    """Append min and max of ``t`` (one kernel; non-finite iff some element is: nan propagates)."""
+    low, high = torch.aminmax(t)
+    values += (low, high)
+    who += (index, index)
+
+
+class _Flags:
+    """What attribution saw in one step: extremes on the device, and on the host whose they are."""
+
+    __slots__ = ("fwd_vals", "fwd_who", "bwd_vals", "bwd_who")
+
+    def __init__(self) -> None:
+        # forward outputs per candidate call, then the gradients w.r.t. each call's inputs in
+        # backward order (who[k]: the candidate of values[k])
+        self.fwd_vals: list[torch.Tensor] = []
+        self.fwd_who: list[int] = []
+        self.bwd_vals: list[torch.Tensor] = []
+        self.bwd_who: list[int] = []
+
+
+class _Pending(NamedTuple):
+    """A step whose found_inf is still on the device (read later, all pending steps at once)."""
+
+    step: int
+    skip: bool
+    found_by_norms: bool  # values[0] is the sum of gradient maxima (no scaler flag): found if non-finite
+    values: torch.Tensor  # found, loss, scale, then the attribution maxima (forward, backward, parameters)
+    fwd_who: list[int]
+    bwd_who: list[int]
+    param_who: list[int]
+
+
+class Monitor:
+    """The numerics log of a training run (JSON Lines; ``ampbridge report RUN.jsonl`` reads it).
+
+    Made by :meth:`TorchAmp.monitor`; the scaler feeds it (``amp.step``, or the native
+    ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` loop). Every step record
+    holds the loss (of the last ``scaler.scale`` call), the scale the step used, ``found_inf`` and
+    ``skipped``. On steps 0, N, 2N, ... of the scaler's step counter (``every=N``) it also holds
+    each layer's gradient statistics (``ampbridge.diagnostics.runlog.layer_stats``: the gradients of the
+    parameters the layer owns, before unscaling, in the layer's compute dtype), computed with
+    torch ops on the device and read in one transfer. A step whose gradients were non-finite is
+    always logged, with ``first_nonfinite``: the first leaf module (forward order) whose output was
+    non-finite, else the first (backward order) whose input gradient or own parameter gradient
+    was, else ``{"path": "", "where": "loss"}``.
+
+    Attribution (``attribution=True``) costs a forward hook per leaf module and a view plus a
+    tensor hook per leaf input that needs a gradient (two small device ops each, every step, no
+    host sync); the flags are read only on a non-finite step, which the host learns anyway (the
+    scaler reads found_inf; with a fused optimizer, or ``skip_nonfinite = false``, the host never
+    does: those steps wait on the device and are read with the next sampled step, at the latest
+    every 1000 steps). Modules with ``inplace=True`` get no input probe (an in-place op on a
+    probed input would lose it); a leaf whose output holds inf on purpose (an additive mask) would
+    be named first: pass ``attribution=False`` or keep the mask out of a module.
+
+    Example:
+        >>> import tempfile, os, torch, ampbridge
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> amp = ampbridge.torch.apply(model, "mixed_float16")
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with amp.monitor(path, every=10):
+        ...     for _ in range(3):
+        ...         _ = amp.step(model(torch.ones(2, 4)).mean() * 1e-3, opt)
+        >>> log = ampbridge.diagnostics.runlog.read_log(path)
+        >>> log.header["layers"], [s["step"] for s in log.steps], sorted(log.steps[0]["layers"])
+        (['0', '1'], [0], ['0', '1'])
+    """
+
+    def __init__(self, amp: Any, path: str | Path, every: int = 1, *, attribution: bool = True):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be an integer >= 1 (statistics on every N-th step); received {every!r}")
+        self.path = Path(path)
+        self.every = every
+        self.attribution = bool(attribution)
+        self.path.open("w", encoding="utf-8").close()  # an unwritable path fails here, not mid-run
+        self._amp = amp
+        named = list(amp.model.named_modules())
+        modules = dict(named)
+        # the parameters each layer owns (a shared one counts at its first module, as in layers())
+        seen: set[int] = set()
+        self._owned: list[tuple[str, list[nn.Parameter]]] = []
+        for path_, module in named:
+            own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            own = [p for p in own if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
+            if own:
+                self._owned.append((path_, own))
+        # attribution candidates: modules that run no sub-module (a MultiheadAttention never calls
+        # its out_proj: it is the candidate, not out_proj)
+        bypassed = _bypassed(amp.model)
+        whole = set(bypassed.values())
+        self._candidates = [p for p, m in named
+                            if p not in bypassed and (next(m.children(), None) is None or p in whole)]
+        index = {p: i for i, p in enumerate(self._candidates)}
+        # candidates' own parameters first: their flags are the attribution fallback
+        owned_by = [(index.get(p, -1), q) for p, params in self._owned for q in params]
+        self._grad_params = sorted(owned_by, key=lambda t: t[0] < 0)
+        self._order: list[str] = []
+        self._order_seen: set[str] = set()
+        self._order_hooks = [m.register_forward_pre_hook(functools.partial(self._first_call, p)) for p, m in named]
+        self._hooks = []
+        if self.attribution:
+            for i, p in enumerate(self._candidates):
+                m = modules[p]
+                if not getattr(m, "inplace", False):
+                    self._hooks.append(m.register_forward_pre_hook(functools.partial(self._probe_inputs, i)))
+                self._hooks.append(m.register_forward_hook(functools.partial(self._check_output, i)))
+        self._acc = torch.float32 if amp.device_type == "mps" else torch.float64  # mps has no float64
+        self._flags = _Flags()
+        self._loss: torch.Tensor | None = None
+        self._stats: tuple[torch.Tensor, list[tuple[str, int]]] | None = None
+        self._took_grads = False
+        self._pending: list[_Pending] = []
+        self._writer: Any = None
+        self.closed = False
+        amp.scaler._monitor = self
+
+    def __repr__(self) -> str:
+        return f"Monitor({str(self.path)!r}, every={self.every}, attribution={self.attribution}" + (
+            ", closed)" if self.closed else ")")
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Monitor":
+        return self  # a deep copy of the model (an EMA twin) keeps feeding this log
+
+    def __getstate__(self) -> None:
+        raise TypeError("an ampbridge.torch.Monitor writes a file of this process: close it (monitor.close()) "
+                        "before pickling the model")
+
+    def close(self) -> None:
+        """Read any steps still on the device, write them, close the file, remove the hooks."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._pending:
+                self._flush()
+            self._header()
+        finally:
+            for handle in self._order_hooks + self._hooks:
+                handle.remove()
+            self._order_hooks, self._hooks = [], []
+            if self._amp.scaler._monitor is self:
+                self._amp.scaler._monitor = None
+            if self._writer is not None:
+                self._writer.close()
+
+    # --- hooks (kept small: they run on every forward and backward)
+
+    def _first_call(self, path: str, module: nn.Module, args: Any) -> None:
+        if path not in self._order_seen:
+            self._order_seen.add(path)
+            self._order.append(path)
+
+    def _probe_inputs(self, index: int, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        # a view per input: its gradient is exactly this call's contribution (torch's full backward
+        # hooks do the same with a custom Function, which forbids in-place ops on the module's
+        # outputs, as in `out += identity`); the same tensor passed twice stays one tensor
+        if not torch.is_grad_enabled():
+            return None
+        views: dict[int, torch.Tensor] | None = None
+        new: list[Any] = []
+        for k, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.layout is torch.strided and a.is_floating_point():
+                if views is None:
+                    views, new = {}, list(args)
+                v = views.get(id(a))
+                if v is None:
+                    v = a.view_as(a)
+                    v.register_hook(functools.partial(self._check_input_grad, index))
+                    views[id(a)] = v
+                new[k] = v
+        return tuple(new) if views else None
+
+    def _check_input_grad(self, index: int, grad: torch.Tensor) -> None:
+        if grad.numel():
+            flags = self._flags
+            _extremes(grad, flags.bwd_vals, flags.bwd_who, index)
+
+    def _check_output(self, index: int, module: nn.Module, args: Any, out: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        flags = self._flags
+        with torch.no_grad():  # a flag, not part of the graph (it would keep the output alive)
+            if isinstance(out, torch.Tensor):
+                if out.is_floating_point() and out.numel():
+                    _extremes(out, flags.fwd_vals, flags.fwd_who, index)
+                return
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    _extremes(t, flags.fwd_vals, flags.fwd_who, index)
+
+    # --- fed by the scaler
+
+    def _saw_loss(self, outputs: Any) -> None:
+        self._loss = outputs.detach() if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
+
+    def _saw_grads(self, scale: torch.Tensor | None, step: int) -> None:
+        if self._took_grads:  # once per step, before the first unscale
+            return
+        self._took_grads = True
+        if step % self.every == 0:
+            self._stats = self._layer_stats(scale)
+
+    def _layer_stats(self, scale: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
+        """Per layer on the device: finite count, max |g/S|, sum (g/S)^2, zeros, below the smallest
+        subnormal once unscaled (zeros included), zero once unscaled, beyond the compute max (scaled)."""
+        from ...core.dtypes import formats
+
+        plan, facts, acc = self._amp.plan, formats(), self._acc
+        fallback = facts[self._amp.active_policy.compute_dtype]
+        rows, meta = [], []
+        for path, params in self._owned:
+            grads = [_dense(p.grad) for p in params if p.grad is not None]
+            n = sum(g.numel() for g in grads)
+            if not n:
+                continue
+            fmt = facts.get(plan[path].compute_dtype, fallback) if path in plan else fallback
+            flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
+            a = flat.to(acc, copy=True).abs_()
+            zero = (a == 0).sum()
+            finite = (a < math.inf).sum()  # a = |g|: false for inf and nan
+            a.nan_to_num_(0.0, 0.0, 0.0)
+            over = (a > fmt.max).sum()
+            if scale is not None:
+                a.div_(scale.to(acc))
+            rows.append(torch.stack([finite, a.max(), torch.dot(a, a), zero, (a < fmt.smallest_subnormal).sum(),
+                                     (a == 0).sum(), over]).to(acc))
+            meta.append((path, n))
+        return (torch.stack(rows), meta) if rows else None
+
+    def _step_done(self, step: int, found: torch.Tensor | None, known: bool | None, scale: torch.Tensor | None,
+                   skip: bool) -> None:
+        """Called by the scaler's update() before the scale moves; ``known``: found_inf if the host read it."""
+        self._took_grads = False
+        if self._order_hooks:  # the first forward showed the order
+            for handle in self._order_hooks:
+                handle.remove()
+            self._order_hooks = []
+        flags, self._flags = self._flags, _Flags()
+        loss, self._loss = self._loss, None
+        stats, self._stats = self._stats, None
+        if known is False and stats is None:
+            return  # the common step: nothing read, nothing written
+        acc = self._acc
+        device = scale.device if scale is not None else torch.device(self._amp.device_type)
+        # device values, read as one vector; the host tells non-finite maxima apart itself
+        norms = None
+        param_who: list[int] = []
+        if (known is not False and self.attribution) or found is None:
+            grads = [(i, _dense(p.grad)) for i, p in self._grad_params if p.grad is not None and p.grad.numel()]
+            if grads and device.type == "cuda":  # one multi-tensor kernel
+                norms = torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).to(acc)
+                param_who = [i for i, _ in grads if i >= 0]
+            elif grads:  # elsewhere torch loops anyway, and aminmax is the cheap reduction
+                values: list[torch.Tensor] = []
+                who: list[int] = []
+                for i, g in grads:
+                    _extremes(g, values, who, i)
+                norms = torch.stack(values).to(acc)
+                param_who = [i for i in who if i >= 0]
+        # found: the scaler's flag (> 0), or without one the sum of all gradient maxima (non-finite)
+        if found is None:
+            found = norms.sum() if norms is not None else torch.zeros((), dtype=acc, device=device)
+            by_norms = True
+        else:
+            by_norms = False
+        parts = [torch.stack([found.to(device, acc).reshape(()),
+                              loss.to(device, acc).reshape(()) if loss is not None else
+                              torch.full((), math.nan, dtype=acc, device=device),
+                              scale.to(acc).reshape(()) if scale is not None else
+                              torch.ones((), dtype=acc, device=device)])]
+        fwd_who: list[int] = []
+        bwd_who: list[int] = []
+        if self.attribution and known is not False:
+            if flags.fwd_vals:
+                parts.append(torch.stack(flags.fwd_vals).to(acc))
+                fwd_who = flags.fwd_who
+            if flags.bwd_vals:
+                parts.append(torch.stack(flags.bwd_vals).to(acc))
+                bwd_who = flags.bwd_who
+            if param_who:
+                assert norms is not None
+                parts.append(norms[:len(param_who)])  # the candidates' own parameters come first
+        values = torch.cat(parts)
+        entry = _Pending(step, skip, by_norms, values, fwd_who, bwd_who, param_who)
+        if known is None and stats is None and len(self._pending) < _PENDING_LIMIT:
+            if self._pending:  # a static graph calls the same modules each step: keep one list
+                last = self._pending[-1]
+                entry = entry._replace(fwd_who=last.fwd_who if last.fwd_who == fwd_who else fwd_who,
+                                       bwd_who=last.bwd_who if last.bwd_who == bwd_who else bwd_who)
+            self._pending.append(entry)
+            return
+        self._flush(entry, known, stats)
+
+    def _flush(self, now: _Pending | None = None, known: bool | None = None,
+               stats: tuple[torch.Tensor, list[tuple[str, int]]] | None = None) -> None:
+        """One transfer: every pending step, and this one with its statistics."""
+        entries = self._pending + ([now] if now is not None else [])
+        self._pending = []
+        blocks = [e.values for e in entries] + ([stats[0].reshape(-1)] if stats is not None else [])
+        host = _to_host(torch.cat(blocks))
+        self._header()
+        offset = 0
+        for e in entries:
+            count = e.values.numel()
+            values, offset = host[offset:offset + count], offset + count
+            if e is now and known is not None:
+                found = known
+            else:
+                found = not math.isfinite(values[0]) if e.found_by_norms else values[0] > 0
+            layers = self._decode_stats(host[offset:], stats[1]) if e is now and stats is not None else None
+            if not found and layers is None:
+                continue  # a finite step that only waited to be read
+            loss = values[1] if math.isfinite(values[1]) else None
+            first = self._origin(values[3:], e, loss is not None) if found and self.attribution else None
+            self._writer.step(e.step, loss=loss, loss_scale=values[2], found_inf=found, skipped=found and e.skip,
+                              layers=layers or {}, first_nonfinite=first)
+
+    def _decode_stats(self, values: list[float], meta: list[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        out = {}
+        for k, (path, n) in enumerate(meta):
+            finite, max_abs, sumsq, zero, below, zero_unscaled, over = values[7 * k:7 * k + 7]
+            nonfinite = n - finite
+            out[path] = {
+                "grad_max_abs": max_abs if finite else float("nan"),
+                "grad_rms": math.sqrt(sumsq / finite) if finite else float("nan"),
+                "zero": zero / n,
+                "nonfinite": nonfinite / n,
+                # zero once unscaled = zero, non-finite (set to 0) or flushed by the division
+                "underflow": (below - zero_unscaled) / n,
+                "overflow": over / n,
+            }
+        return out
+
+    def _origin(self, maxima: list[float], e: _Pending, finite_loss: bool) -> dict[str, str]:
+        bad = [not math.isfinite(x) for x in maxima]
+        nf, nb = len(e.fwd_who), len(e.bwd_who)
+        for k in range(nf):
+            if bad[k]:
+                return {"path": self._candidates[e.fwd_who[k]], "where": "output"}
+        if not finite_loss:  # the loss comes after every layer's output and before every gradient
+            return {"path": "", "where": "loss"}
+        for k in range(nb):
+            if bad[nf + k]:
+                return {"path": self._candidates[e.bwd_who[k]], "where": "gradient"}
+        # a parameter gradient overflowed while no input gradient did: the first such layer in
+        # backward order (the one called last in the forward)
+        last_call = {i: k for k, i in enumerate(e.fwd_who)}
+        hit = {e.param_who[k] for k in range(len(e.param_who)) if bad[nf + nb + k]}
+        if hit:
+            return {"path": self._candidates[max(hit, key=lambda i: last_call.get(i, -1))], "where": "gradient"}
+        return {"path": "", "where": "loss"}
+
+    def _header(self) -> None:
+        if self._writer is not None:
+            return
+        from ...core.io import policy_to_dict
+        from ...diagnostics.runlog import RunLogWriter
+
+        policy = self._amp.active_policy
+        self._writer = RunLogWriter(self.path, framework="torch", compute_dtype=policy.compute_dtype,
+                                    layers=self._forward_order(), policy=policy_to_dict(policy),
+                                    min_scale=self._amp.scaler.config.min_scale,
+                                    extra={"every": self.every, "attribution": self.attribution})
+
+    def _forward_order(self) -> list[str]:
+        """The Plan's paths in the order the first forward called them; modules it did not call
+        (MultiheadAttention's out_proj) right after their parent's subtree."""
+        paths = [r.path for r in self._amp.plan.rows if r.path]
+        known = set(paths)
+        order = [p for p in self._order if p in known]
+        placed = set(order)
+        for p in paths:
+            if p in placed:
+                continue
+            parent = p.rsplit(".", 1)[0] if "." in p else ""
+            at = max((j for j, q in enumerate(order) if not parent or q == parent or q.startswith(parent + ".")),
+                     default=len(order) - 1)
+            order.insert(at + 1, p)
+            placed.add(p)
+        return order

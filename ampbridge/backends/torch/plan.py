@@ -1,0 +1,274 @@
+"""The Plan: the core's rows, corrected by what torch autocast really does with each module on
+the device, and the specs that make the rows true.
+
+Holds ``_behaviour``, ``_bypassed``, ``_Realisation``, ``_realise`` and ``_natural``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.plan import Plan, PlanRow, build_plan, with_note
+from ...core.policy import Policy
+from ...errors import AmpBridgeError, UnsupportedOptionError
+from .environment import _LOW, _NAMES, DTYPES, cpu_lstm_runs, cpu_lstm_takes_float32_inputs
+from .forward import _Spec
+from .layers import _class_name, _entries, layers
+
+# --- what autocast does with each module, per device ---------------------------------------------
+#
+# "cast": autocast runs its main ops (matmul, conv) in the region's dtype;
+# "float32": autocast runs it in float32 whatever the region (the op is on autocast's fp32 list);
+# "input": autocast leaves its ops alone: it runs in its input's dtype;
+# "weights": an embedding lookup: it runs in its weights' dtype;
+# "region": a container: its children decide; "custom": a leaf with parameters ampbridge does not know.
+# CPU: observed (tests/backend_torch/test_plan.py re-checks every class). CUDA: torch's autocast op
+# reference (layer_norm, group_norm, rms_norm, softmax, log_softmax, pow are on its fp32 list), the
+# dispatcher's AutocastCUDA registrations (checked by the same test), cudnn's RNN autocast wrapper.
+
+def _behaviour(module: nn.Module, device_type: str) -> str:
+    from torch.nn.modules.batchnorm import _NormBase
+    from torch.nn.modules.conv import _ConvNd
+
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "weights"
+    cast: tuple[type, ...] = (nn.Linear, _ConvNd, nn.MultiheadAttention, nn.RNNBase, nn.RNNCellBase, nn.PReLU)
+    if device_type == "cpu":
+        if isinstance(module, cast):
+            return "cast"
+        if isinstance(module, (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm,
+                               nn.CrossMapLRN2d, nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d,
+                               nn.Bilinear)):
+            return "input"
+    else:
+        if isinstance(module, cast + (nn.Bilinear,)):
+            return "cast"
+        if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d,
+                               nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)):
+            return "float32"
+        if isinstance(module, _NormBase):
+            return "input"
+    if next(module.children(), None) is not None:
+        return "region"
+    if next(module.parameters(recurse=False), None) is not None:
+        return "custom"
+    return "input"
+
+
+def _bypassed(model: nn.Module) -> dict[str, str]:
+    """Modules whose forward their parent never calls (it uses their parameters directly)."""
+    out = {}
+    for path, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            for name, _ in module.named_modules():
+                if name:
+                    out[f"{path}.{name}" if path else name] = path
+    return out
+
+
+def _widest(names: Iterable[str]) -> str:
+    names = set(names)
+    if len(names) == 1:
+        return names.pop()
+    return "float32"  # float16 and bfloat16 do not contain each other
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Realisation:
+    """The Plan of one (phase) policy, and how each module is run to make it true."""
+
+    plan: Plan
+    policy: Policy
+    specs: Mapping[str, _Spec]  # path ("" = the root) -> spec
+    storage: Mapping[int, tuple[nn.Parameter, torch.dtype]] = field(default_factory=dict)
+    input_following: frozenset[str] = frozenset()  # rows whose dtype follows their input
+
+
+def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool = True,
+             notes: Sequence[str] = ()) -> _Realisation:
+    entries = _entries(model)
+    modules = dict(entries)
+    raw = build_plan(layers(model), policy, framework="torch", warn=warn)
+    rules = dict(policy.rules)
+    bypassed = _bypassed(model)
+
+    # 1. storage: each parameter in the dtype its module's row asks for (the widest, if shared)
+    requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+    from torch.nn.modules.batchnorm import _NormBase
+
+    for row in raw.rows:
+        module = modules[row.path]
+        wanted = row.param_dtype
+        if isinstance(module, _NormBase) and module.track_running_stats and wanted != "float32":
+            wanted = "float32"  # see the row's note below
+        for p in module.parameters(recurse=False):
+            requests[id(p)].append((row.path, wanted))
+            params[id(p)] = p
+    storage: dict[int, tuple[nn.Parameter, torch.dtype]] = {}
+    for pid, asks in requests.items():
+        chosen = _widest(d for _, d in asks)
+        p = params[pid]
+        if p.is_floating_point() or isinstance(p, nn.parameter.UninitializedParameter):
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                if chosen != "float32":
+                    path = asks[0][0]
+                    raise AmpBridgeError(f"{path!r} ({_class_name(modules[path])}) has uninitialised lazy "
+                                         f"parameters; run one forward to materialise them before applying "
+                                         f"param_dtype={chosen!r}")
+                continue
+            storage[pid] = (p, DTYPES[chosen])
+
+    # 2. regions: a module whose compute dtype differs from its parent's region runs its own.
+    # Without autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule
+    # sits inside one, the region's leaves get their floating inputs cast to float32.
+    low_below: set[str] = set()
+    for row in raw.rows:
+        if row.output_dtype != "float32" or row.compute_dtype != "float32":
+            parts = row.path.split(".")
+            low_below.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    region_root: dict[str, str] = {}
+    specs: dict[str, _Spec] = {}
+    wrapped_output: dict[str, str] = {}
+    final: list[PlanRow] = []
+    input_following: set[str] = set()
+    for row in raw.rows:
+        module = modules[row.path]
+        behaviour = _behaviour(module, device_type)
+        path = row.path
+        if path in bypassed:
+            parent = raw[bypassed[path]]
+            if row.compute_dtype != parent.compute_dtype:
+                raise UnsupportedOptionError(
+                    f"{row.rule} ({row.pattern}) sets {path!r} to compute in {row.compute_dtype}, but "
+                    f"{_class_name(modules[bypassed[path]])} {bypassed[path]!r} uses its parameters in its own "
+                    f"forward (it never calls {path!r}); match {bypassed[path]!r} instead")
+            final.append(with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
+                                        f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype))
+            continue
+        is_root = path == ""  # its region, input and output casts are the root spec (below)
+        parent_path = path.rsplit(".", 1)[0] if "." in path else ""
+        enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
+        compute = row.compute_dtype
+        own_float = [p for p in module.parameters(recurse=False)
+                     if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
+        own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
+        own_low = any(d in _LOW for d in own_stored)
+        region_change = compute != enclosing and not is_root
+        region_root[path] = path if region_change else region_root.get(parent_path, "")
+        mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
+                         and next(module.children(), None) is None and behaviour != "weights")
+        present_as = None  # own parameters presented in the compute dtype for the call
+        if own_low and any(d != DTYPES[compute] for d in own_stored) and (
+                compute == "float32" or behaviour not in ("cast", "float32")):
+            present_as = DTYPES[compute]
+        cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
+        if is_root:  # the caller's region is the policy's: a rule on the root changes it
+            cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
+        rule = rules.get(row.rule)
+        explicit_output = rule is not None and rule.output_dtype is not None
+        natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
+                                                       own_stored)
+        # cpu bilinear cannot mix dtypes and autocast leaves it alone: it gets its input's dtype
+        follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
+                         and present_as is None and compute != "float32")
+        wrap = region_change or cast_inputs or present_as is not None or follow_params or (
+            explicit_output and row.output_dtype != natural_out)
+        if is_root:
+            wrap = False
+            specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
+                              DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
+        changes: dict[str, Any] = {}
+        notes_here = [note] if note else []
+        stored = {_NAMES[d] for d in own_stored}
+        if len(stored) == 1 and stored != {row.param_dtype}:
+            stored_name = stored.pop()
+            changes["param_dtype"] = stored_name
+            if isinstance(module, _NormBase) and module.track_running_stats:
+                notes_here.append(f"parameters kept in {stored_name}: torch's batch_norm needs them in its float32 "
+                                  f"running statistics' dtype")
+            else:
+                notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
+        if wrap:
+            specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
+                                DTYPES[compute] if cast_inputs else None,
+                                None if follows else DTYPES[row.output_dtype], present_as,
+                                params_follow_input=follow_params)
+            if natural != compute and behaviour != "region":
+                changes["compute_dtype"] = natural
+            if follows:
+                input_following.add(path)
+            wrapped_output[path] = row.output_dtype
+        else:
+            if natural != compute and behaviour != "region":
+                changes["compute_dtype"] = natural
+            if natural_out != row.output_dtype and not explicit_output and behaviour != "region":
+                changes["output_dtype"] = natural_out
+            if follows:
+                input_following.add(path)
+        if is_root:  # the model's outputs: the policy's output_dtype, whatever a rule says
+            changes["output_dtype"] = policy.output_dtype
+            if policy.output_dtype != changes.get("compute_dtype", compute):
+                notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
+        final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
+
+    plan_notes = list(notes)
+    if policy.matmul_precision != "highest":
+        plan_notes.append(f"matmul_precision {policy.matmul_precision}: torch.set_float32_matmul_precision"
+                          f"({policy.matmul_precision!r}) inside amp.model, amp.autocast() and amp.step(), "
+                          f"restored after (float32 matmuls may use "
+                          f"{'TF32' if policy.matmul_precision == 'high' else 'bfloat16'} on hardware that has it)")
+    if input_following:
+        plan_notes.append(f"{len(input_following)} row(s) follow their input's dtype (autocast leaves those ops "
+                          "alone); ampbridge.torch.plan(model, policy, *example_inputs) traces the exact dtypes")
+    out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
+    return _Realisation(out, policy, specs, storage, frozenset(input_following))
+
+
+def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, present_as: torch.dtype | None,
+             cast_inputs: bool, own_stored: set[torch.dtype]) -> tuple[str, str, str, bool]:
+    """What the module really does: (compute dtype, output dtype, note, output follows the input)."""
+    compute = row.compute_dtype
+    cls = _class_name(module)
+    if behaviour == "weights":
+        weights = _NAMES[present_as] if present_as is not None else (
+            _NAMES[next(iter(own_stored))] if len(own_stored) == 1 else row.param_dtype)
+        if weights != compute:
+            return weights, weights, (f"autocast does not cast embedding lookups: it runs in its weights' dtype "
+                                      f"({weights})"), False
+        return compute, compute, "", False
+    if compute == "float32":
+        return compute, compute, "", False
+    if isinstance(module, nn.RMSNorm) and behaviour == "input":
+        fed = f"({compute})" if cast_inputs else f"({compute} when fed by a {compute} layer)"
+        return "float32", compute, f"torch's rms_norm computes in float32 and returns its input's dtype {fed}", \
+            not cast_inputs
+    if behaviour == "float32":
+        return "float32", "float32", f"{device_type} autocast runs {cls} in float32", False
+    if behaviour == "input" and not cast_inputs:
+        also = ("; its parameters are presented in that dtype (torch's bilinear cannot mix dtypes)"
+                if isinstance(module, nn.Bilinear) and present_as is None else "")
+        return compute, compute, (f"follows its input's dtype: {device_type} autocast leaves {cls} alone "
+                                  f"({compute} when fed by a {compute} layer){also}"), True
+    if behaviour == "custom" and not cast_inputs:
+        return compute, compute, "custom module: its ops follow autocast's per-op rules", False
+    if behaviour == "cast" and device_type == "cpu" and isinstance(module, (nn.GRU, nn.RNNCellBase)) \
+            and not cast_inputs:
+        return compute, compute, (f"the gates' matmuls run in {compute}; the output keeps its input's dtype "
+                                  f"({compute} when fed by a {compute} layer)"), True
+    if behaviour == "cast" and isinstance(module, nn.LSTM) and device_type == "cpu" and \
+            not cpu_lstm_takes_float32_inputs(compute):
+        if not cpu_lstm_runs(compute, compute):
+            return compute, compute, (f"cpu LSTM cannot run under {compute} autocast on this CPU (oneDNN has no "
+                                      f"{compute} LSTM here, whatever its inputs): pin it (keep_float32)"), False
+        return compute, compute, (f"cpu LSTM under {compute} autocast needs {compute} inputs on this CPU "
+                                  f"(oneDNN); pin it or feed {compute}"), False
+    return compute, compute, "", False

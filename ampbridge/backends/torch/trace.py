@@ -1,0 +1,118 @@
+"""What one forward really computed in: the dtypes observed per module (a dispatch mode and
+module hooks) written onto the Plan's rows (``amp.trace``, ``plan(model, policy, *inputs)``).
+
+Holds ``_trace``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.plan import Plan, with_note
+from .environment import _NAMES, DTYPES
+
+_COMPUTE_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_trilinear", "native_layer_norm",
+                "native_group_norm", "native_batch_norm", "_native_batch_norm_legit", "_softmax", "_log_softmax",
+                "embedding", "_embedding_bag", "mkldnn_rnn_layer", "_fused_rms_norm", "gelu",
+                "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_flash_attention", "_cudnn_rnn", "cudnn_batch_norm", "_prelu_kernel")
+_IGNORED_OPS = ("_to_copy", "copy_", "detach", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
+                "arange", "lift_fresh")
+
+
+def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    # amp: the TorchAmp (whose trace() calls this; apply imports this room, not the other way)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = amp.model
+    paths = {id(m): p for p, m in model.named_modules()}
+    stack: list[str] = []
+    main: dict[str, list[str]] = defaultdict(list)  # path -> dtypes of its main ops
+    last: dict[str, str] = {}  # path -> dtype of its last floating op
+    regions: dict[str, str] = {}  # path -> region seen by its children
+    delivered: dict[str, str] = {}  # path -> dtype of its (first floating) output
+    ran: set[str] = set()
+
+    def region_now() -> str:
+        if torch.is_autocast_enabled(amp.device_type):
+            return _NAMES.get(torch.get_autocast_dtype(amp.device_type), "float32")
+        return "float32"
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        path = paths.get(id(module))
+        if path is None:
+            return
+        if stack:
+            regions.setdefault(stack[-1], region_now())
+        stack.append(path)
+        ran.add(path)
+
+    def post(module: nn.Module, _args: Any, out: Any) -> None:
+        path = paths.get(id(module))
+        if path is not None and stack:
+            stack.pop()
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(first, torch.Tensor) and first.is_floating_point() and first.dtype in _NAMES:
+                delivered.setdefault(path, _NAMES[first.dtype])
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if stack and name not in _IGNORED_OPS:
+                first = out[0] if isinstance(out, (tuple, list)) and out else out
+                if isinstance(first, torch.Tensor) and first.is_floating_point():
+                    dtype = _NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
+                    last[stack[-1]] = dtype
+                    if name in _COMPUTE_OPS:
+                        main[stack[-1]].append(dtype)
+            return out
+
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    hooks = [nn.modules.module.register_module_forward_pre_hook(pre),
+             nn.modules.module.register_module_forward_hook(post, always_call=True)]
+    rng_devices = [] if amp.device_type == "cpu" else None  # None: every device of that type
+    rng_type = "cuda" if amp.device_type == "cpu" else amp.device_type
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=rng_type), Recorder():
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
+    rows = []
+    for row in amp.plan.rows:
+        path = row.path
+        if path not in ran:
+            rows.append(row if row.note and "used by" in row.note else
+                        with_note(row, _join(row.note, "did not run in the traced forward")))
+            continue
+        if path in regions and not main.get(path):
+            observed = regions[path]
+        elif main.get(path):
+            observed = main[path][0] if len(set(main[path])) == 1 else "+".join(sorted(set(main[path])))
+        else:
+            observed = last.get(path)
+        follows = path in amp._realisation.input_following
+        if observed is None or (observed == row.compute_dtype and not follows):
+            rows.append(row)
+            continue
+        changes: dict[str, Any] = {}
+        if observed in DTYPES:
+            changes["compute_dtype"] = observed
+            if follows and path in delivered:
+                changes["output_dtype"] = delivered[path]
+        reason = row.note.split(" (")[0] if follows and row.note else row.note
+        rows.append(with_note(row, _join(reason, f"traced: ran in {observed}"), **changes))
+    return Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
+                amp.plan.notes + ("traced: compute dtypes observed in one forward",))
+
+
+def _join(*parts: str | None) -> str:
+    return "; ".join(p for p in parts if p)

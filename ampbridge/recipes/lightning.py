@@ -1,0 +1,120 @@
+"""PyTorch Lightning / Fabric ``precision`` values in and out ("16-mixed", "bf16-true", ...).
+
+Holds from_lightning, to_lightning and the precision tables (_LIGHTNING, _LIGHTNING_ALIASES, _LIGHTNING_ALL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.matching import did_you_mean
+from ..core.policy import LossScaleConfig, Policy
+from ..errors import PolicyError, Problem, UnsupportedOptionError
+from .convert import (
+    _ALL_BUT_MATMUL,
+    Conversion,
+    _construct,
+    _expect_no_scaling,
+    _origins_all_loss_scale,
+    _read_grad_scaler_args,
+    _Reader,
+    _require_concrete,
+    _write_grad_scaler_args,
+    _Writer,
+)
+
+# --- Lightning ----------------------------------------------------------------------------------
+
+#: precision -> (compute, param) ; Fabric converts outputs to float32 (convert_output) in every one
+_LIGHTNING = {"32-true": ("float32", "float32"), "16-mixed": ("float16", "float32"),
+              "bf16-mixed": ("bfloat16", "float32"), "16-true": ("float16", "float16"),
+              "bf16-true": ("bfloat16", "bfloat16")}
+_LIGHTNING_ALIASES: dict[Any, str] = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true",
+                                      32: "32-true", 16: "16-mixed", 64: "64-true"}
+_LIGHTNING_ALL = tuple(_LIGHTNING) + ("64-true", "transformer-engine", "transformer-engine-float16")
+
+
+def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = None) -> Conversion:
+    """A Lightning ``precision`` ("16-mixed", "bf16-true", 16, "bf16", ...) -> Policy.
+
+    "-mixed" runs ``torch.autocast`` over float32 parameters ("16-mixed" with a torch GradScaler,
+    default arguments unless ``grad_scaler`` gives the ones of a custom
+    ``MixedPrecision(..., scaler=GradScaler(**grad_scaler))``); "-true" casts the parameters
+    (no loss scaling, nothing skipped). Fabric converts outputs to float32 in every mode.
+    "64-true" and the "transformer-engine" (fp8) precisions raise UnsupportedOptionError.
+
+    Example:
+        >>> p = from_lightning(16).result
+        >>> p.compute_dtype, p.param_dtype, p.loss_scale.mode, p.loss_scale.initial_scale
+        ('float16', 'float32', 'dynamic', 65536.0)
+    """
+    r = _Reader("lightning")
+    name = _LIGHTNING_ALIASES.get(precision, precision)
+    if isinstance(precision, bool) or not isinstance(name, str) or name not in _LIGHTNING_ALL:
+        hint = did_you_mean(str(precision), _LIGHTNING_ALL + ("16", "32", "64", "bf16"))
+        raise PolicyError([Problem("not a Lightning precision", key="precision", value=precision,
+                                   accepted=", ".join(_LIGHTNING_ALL) + ", and 16, 32, 64, '16', '32', '64', 'bf16'",
+                                   hint=hint)])
+    if name == "64-true":
+        raise UnsupportedOptionError("precision='64-true' cannot be read: ampbridge policies hold float32, "
+                                     "bfloat16 and float16, not float64")
+    if name.startswith("transformer-engine"):
+        raise UnsupportedOptionError(f"precision={name!r} cannot be read: it runs fp8 matmuls through NVIDIA "
+                                     "TransformerEngine, and ampbridge policies compute in float32, bfloat16 or "
+                                     "float16 (the closest is 'bf16-mixed')")
+    if name != precision:
+        r.note(f"precision={precision!r} is Lightning's alias of {name!r}")
+    compute, param = _LIGHTNING[name]
+    r.origins.update(compute_dtype="precision", param_dtype="precision",
+                     output_dtype="Fabric's convert_output (float32)", keep_float32="precision (no module pins)",
+                     overrides="precision (no module pins)")
+    ls: dict[str, Any] = {"mode": "none", "skip_nonfinite": False}
+    if name == "16-mixed":
+        ls = _read_grad_scaler_args(r, dict(grad_scaler or {}), ("grad_scaler",), "a GradScaler's arguments")
+    elif grad_scaler:
+        r.problem(("grad_scaler",), f"precision={name!r} uses no GradScaler", value=dict(grad_scaler),
+                  accepted="grad_scaler only with '16-mixed'")
+    if name != "16-mixed" or not grad_scaler:
+        defaults = " (torch GradScaler's defaults)" if name == "16-mixed" else ""
+        _origins_all_loss_scale(r, f"precision {name!r}{defaults}")
+    fields = {"compute_dtype": compute, "param_dtype": param, "output_dtype": "float32", "reduce_dtype": param}
+    policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
+    return r.done(policy, _ALL_BUT_MATMUL)
+
+
+def to_lightning(policy: Policy) -> Conversion:
+    """Policy -> ``{"precision": "16-mixed", "grad_scaler": None | GradScaler arguments}``.
+
+    ``grad_scaler`` (None when torch's defaults do) is for a custom plugin:
+    ``Trainer(plugins=[MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler(**grad_scaler))])``.
+
+    Example:
+        >>> import ampbridge
+        >>> to_lightning(ampbridge.preset("mixed_float16")).result
+        {'precision': '16-mixed', 'grad_scaler': None}
+    """
+    _require_concrete(policy, "Lightning")
+    w = _Writer("lightning", policy)
+    p = policy
+    w.common("Lightning", pins_reason="Lightning's precision plugins apply one dtype (or torch.autocast's op "
+             "lists) to the whole model; they cannot pin layers")
+    key = (p.compute_dtype, p.param_dtype)
+    name = next((n for n, v in _LIGHTNING.items() if v == key), None)
+    if name is None:
+        name = {"float32": "32-true", "float16": "16-mixed", "bfloat16": "bf16-mixed"}[p.compute_dtype]
+        w.loss("param_dtype", p.param_dtype, f"Lightning stores parameters in float32 or the compute dtype; "
+               f"written as {name!r}")
+    if p.output_dtype != "float32":
+        w.loss("output_dtype", p.output_dtype, "Lightning (Fabric) converts outputs to float32 in every precision")
+    if p.reduce_dtype != _LIGHTNING[name][1]:
+        w.loss("reduce_dtype", p.reduce_dtype, "under DDP Lightning reduces gradients in the parameter dtype")
+    scaler = None
+    if name == "16-mixed":
+        scaler = _write_grad_scaler_args(w, p, "Lightning", defaults_as_none=True)
+        if scaler == {"enabled": False}:
+            w.note("'16-mixed' with a disabled GradScaler: MixedPrecision('16-mixed', device, "
+                   "scaler=GradScaler(enabled=False))")
+    else:
+        _expect_no_scaling(w, p, f"Lightning precision {name!r}")
+    return w.done({"precision": name, "grad_scaler": scaler})
