@@ -47,6 +47,18 @@ def machine() -> list[str]:
     ]
 
 
+def _merged(new: list[str]) -> list[str]:
+    """The sections of the existing page with ``new`` ones replacing theirs (the page's machine
+    line then describes the latest run; each replaced section says when it was run)."""
+    stamp = datetime.datetime.now().isoformat(timespec="minutes")
+    new = [section.rstrip("\n") + f" (run {stamp})\n" for section in new]
+    old = OUT.read_text().split("\n## ")[1:] if OUT.exists() else []
+    by_name = {("## " + s).split("\n", 1)[0]: "## " + s.rstrip("\n") + "\n" for s in old}
+    for section in new:
+        by_name[section.split("\n", 1)[0]] = section
+    return [by_name[k] for k in sorted(by_name)]
+
+
 def main(argv: list[str]) -> int:
     write = "--no-write" not in argv
     wanted = {a for a in argv if not a.startswith("--")}
@@ -68,6 +80,8 @@ def main(argv: list[str]) -> int:
                         f"(`python benchmarks/{script.name}`, {took:.0f} s{', FAILED' if proc.returncode else ''})\n")
     if write and sections:
         OUT.parent.mkdir(exist_ok=True)
+        if wanted:  # a partial run replaces its own sections and keeps the others, each with its date
+            sections = _merged(sections)
         OUT.write_text("# Benchmarks\n\nWritten by `make bench` (`python benchmarks/run.py`). Every speed is a ratio "
                        "against the native equivalent measured in the same process.\n\n" + "\n".join(machine())
                        + "\n\n" + "\n".join(sections))
