@@ -2,7 +2,7 @@
 
 import re
 
-from ampbridge.cli.main import main
+from ampbridge.cli.commands import main
 from ampbridge._testing import require
 
 for _name in ("torch", "keras", "jax", "flax", "optax", "jmp", "matplotlib"):
@@ -16,7 +16,9 @@ def test_demo_trains_everywhere_and_plots(tmp_path, capsys):
     assert "== training 12 steps in torch, keras, jax; step 4 gets an injected overflow" in out
     assert "Plan (identical in torch, keras, jax):" in out
     assert "4     65536 skipped  65536 skipped  65536 skipped" in out
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^(torch|keras|jax)\s+(\S+)\s+4\s", out, re.M)}
+    # the skipped column is a count with the steps it names (issue 23: "4" alone read as a count)
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^(torch|keras|jax)\s+(\S+)\s+1 \(step 4\)\s", out, re.M)}
     assert set(rows) == {"torch", "keras", "jax"}  # each skipped exactly step 4
+    assert "Plan (torch):" not in out  # one Plan under the "identical" heading, not torch's
     assert "final losses agree to" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
