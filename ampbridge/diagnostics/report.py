@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +31,13 @@ SKIP_WARN = 0.05
 class Summary:
     framework: str
     compute_dtype: str
-    steps: int  # steps in the log (a sampling monitor logs every N-th step and every skipped one)
-    steps_run: int  # steps the run took (the last logged step + 1)
-    skipped_steps: list[int]
+    steps: int  # step records in the log (a sampling monitor logs every N-th step and every non-finite one)
+    steps_run: int  # steps the run took: the closing record's count, else the last logged step + 1
+    steps_counted: str  # where steps_run comes from: "closing record" or "last logged step"
+    first_step: int | None  # the first and last step number the monitor saw (closing record; else None)
+    last_step: int | None
+    skipped: int  # steps skipped (the closing record's count, else the skipped steps in the log)
+    skipped_steps: list[int]  # the skipped steps in the log
     scale_min: float
     scale_max: float
     scale_final: float
@@ -40,7 +45,9 @@ class Summary:
     steps_at_min_scale: int
     overflow_origins: dict[str, int]
     worst_underflow: list[tuple[str, float]]
-    nonfinite_layers: dict[str, int]
+    nonfinite_layers: dict[str, int]  # per layer: non-finite steps the log shows it non-finite on
+    nonfinite_steps: int  # steps in the log with found_inf
+    nonfinite_sampled: int  # of those, how many carry per-layer statistics
     final_loss: float | None
     advice: list[str] = field(default_factory=list)
 
@@ -49,6 +56,13 @@ class Summary:
 
 
 def summarize(log: RunLog) -> Summary:
+    """The numbers ``ampbridge report`` prints.
+
+    ``nonfinite_layers`` counts, per layer, the non-finite steps of the log on which it was
+    non-finite: its statistics say so (a sampled step), or, on a step without statistics (a
+    sampling monitor logs an unsampled non-finite step with its attribution only), it was the
+    first layer to go non-finite. ``nonfinite_sampled`` says how many of those steps had statistics.
+    """
     h, steps = log.header, log.steps
     scales = [s["loss_scale"] for s in steps] or [float("nan")]
     min_scale = h.get("min_scale")
@@ -56,21 +70,40 @@ def summarize(log: RunLog) -> Summary:
     origins = Counter(s["first_nonfinite"]["path"] for s in steps if s.get("first_nonfinite"))
     underflow: dict[str, list[float]] = {}
     nonfinite: Counter[str] = Counter()
+    nonfinite_steps = nonfinite_sampled = 0
     for s in steps:
-        for path, stats in s.get("layers", {}).items():
+        layers = s.get("layers") or {}
+        for path, stats in layers.items():
             if not math.isnan(stats.get("underflow", float("nan"))):
                 underflow.setdefault(path, []).append(stats["underflow"])
-            if stats.get("nonfinite", 0) and not math.isnan(stats["nonfinite"]):
-                nonfinite[path] += 1
+        if not (s["found_inf"] or s["skipped"]):
+            continue
+        nonfinite_steps += 1
+        nonfinite_sampled += bool(layers)
+        bad = {path for path, stats in layers.items()
+               if stats.get("nonfinite", 0) and not math.isnan(stats["nonfinite"])}
+        first = (s.get("first_nonfinite") or {}).get("path")
+        if first:
+            bad.add(first)
+        nonfinite.update(bad)
     mean_underflow = sorted(((p, sum(v) / len(v)) for p, v in underflow.items()), key=lambda t: -t[1])
     losses = [s["loss"] for s in steps if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
+    skipped_steps = [s["step"] for s in steps if s["skipped"]]
+    end = log.end
+    if end is not None:
+        steps_run, counted, first_step, last_step = end["steps"], "closing record", end["first_step"], end["last_step"]
+        skipped = end["skipped"]
+    else:
+        steps_run = max((s["step"] for s in steps), default=-1) + 1
+        counted, first_step, last_step, skipped = "last logged step", None, None, len(skipped_steps)
     summary = Summary(
         framework=h.get("framework", "?"), compute_dtype=h.get("compute_dtype", "?"), steps=len(steps),
-        steps_run=max((s["step"] for s in steps), default=-1) + 1,
-        skipped_steps=[s["step"] for s in steps if s["skipped"]], scale_min=min(scales), scale_max=max(scales),
+        steps_run=steps_run, steps_counted=counted, first_step=first_step, last_step=last_step,
+        skipped=skipped, skipped_steps=skipped_steps, scale_min=min(scales), scale_max=max(scales),
         scale_final=scales[-1], min_scale=min_scale, steps_at_min_scale=at_min,
         overflow_origins=dict(origins.most_common()), worst_underflow=mean_underflow[:5],
-        nonfinite_layers=dict(nonfinite.most_common()), final_loss=losses[-1] if losses else None)
+        nonfinite_layers=dict(nonfinite.most_common()), nonfinite_steps=nonfinite_steps,
+        nonfinite_sampled=nonfinite_sampled, final_loss=losses[-1] if losses else None)
     summary.advice = advise(summary)
     return summary
 
@@ -79,14 +112,14 @@ def advise(s: Summary) -> list[str]:
     """Plain-words advice where the numbers call for it."""
     out = []
     run = max(s.steps_run, 1)
-    if s.steps_run and len(s.skipped_steps) / run > SKIP_WARN:
-        out.append(f"{len(s.skipped_steps)} of {s.steps_run} steps were skipped ({100 * len(s.skipped_steps) / run:.0f}%): "
+    if s.steps_run and s.skipped / run > SKIP_WARN:
+        out.append(f"{s.skipped} of {s.steps_run} steps were skipped ({100 * s.skipped / run:.0f}%): "
                    "gradients overflow often" + (" - consider bfloat16, which has float32's range"
                                                  if s.compute_dtype == "float16" else ""))
     for path, count in list(s.overflow_origins.items())[:3]:
         if path == "":
-            out.append(f"the loss itself was non-finite on {count} step(s) while every layer's outputs and "
-                       "gradients were finite: check the loss computation and its inputs (labels, weights), "
+            out.append(f"the loss itself was non-finite on {count} step(s) while every layer's outputs were "
+                       "finite: check the loss computation and its inputs (labels, weights), "
                        "and compute it in float32 (output_dtype = \"float32\")")
             continue
         out.append(f"{path} was the first layer to go non-finite on {count} step(s): pin it "
@@ -102,10 +135,17 @@ def advise(s: Summary) -> list[str]:
     return out
 
 
+def _steps_line(s: Summary) -> str:
+    if s.steps_counted == "closing record":
+        span = f" (steps {s.first_step}-{s.last_step})" if s.first_step is not None and s.steps_run > 1 else ""
+        return f"{s.steps_run} step(s){span}, {s.steps} in the log"
+    return f"{s.steps_run} step(s) (to the last logged step: the log has no closing record), {s.steps} in the log"
+
+
 def format_summary(s: Summary) -> str:
-    lines = [f"run: {s.framework}, compute {s.compute_dtype}, {s.steps_run} step(s), {s.steps} in the log"]
+    lines = [f"run: {s.framework}, compute {s.compute_dtype}, {_steps_line(s)}"]
     skipped = ", ".join(map(str, s.skipped_steps[:20])) + (" ..." if len(s.skipped_steps) > 20 else "")
-    lines.append(f"skipped steps: {len(s.skipped_steps)}" + (f" ({skipped})" if s.skipped_steps else ""))
+    lines.append(f"skipped steps: {s.skipped}" + (f" ({skipped})" if s.skipped_steps else ""))
     lines.append(f"loss scale: min {s.scale_min:g}, max {s.scale_max:g}, final {s.scale_final:g}"
                  + (f"; at min_scale={s.min_scale:g} for {s.steps_at_min_scale} step(s)" if s.min_scale is not None else ""))
     if s.final_loss is not None:
@@ -113,17 +153,91 @@ def format_summary(s: Summary) -> str:
     if s.overflow_origins:
         lines.append("first layer to go non-finite, by steps: "
                      + ", ".join(f"{p or '(the loss)'} ({n})" for p, n in s.overflow_origins.items()))
-    if s.worst_underflow:
-        lines.append("worst layers (mean fraction of gradients that would underflow unscaled):")
+    rows = [p for p, _ in s.worst_underflow] + [p for p in s.nonfinite_layers if p not in dict(s.worst_underflow)]
+    if rows:
+        under = dict(s.worst_underflow)
+        lines.append("layers: the worst by mean fraction of gradients that would underflow unscaled, and every "
+                     "one that went non-finite:")
         lines.append(render_table(("layer", "underflow", "steps non-finite"),
-                                  [(p, f"{100 * f:.2f}%", str(s.nonfinite_layers.get(p, 0))) for p, f in s.worst_underflow]))
+                                  [(p, f"{100 * under[p]:.2f}%" if p in under else "-",
+                                    str(s.nonfinite_layers.get(p, 0))) for p in rows]))
+        if s.nonfinite_steps > s.nonfinite_sampled:
+            lines.append(f"  ({s.nonfinite_steps - s.nonfinite_sampled} of the {s.nonfinite_steps} non-finite steps "
+                         "were not sampled: on those only the first layer to go non-finite is known, and counted)")
     lines.append("advice:" if s.advice else "advice: none; the numbers look healthy")
     lines += [f"  - {a}" for a in s.advice]
     return "\n".join(lines)
 
 
+def _loss_scale_config(header: dict[str, Any]) -> Any:
+    """The run's loss-scale config from the header's policy, or None (none, unreadable, or phases)."""
+    policy = header.get("policy")
+    if not isinstance(policy, dict) or not policy or policy.get("phase"):
+        return None
+    try:
+        from ..core.policy import Policy
+
+        return Policy.from_dict(policy).resolved_loss_scale
+    except Exception:  # a log from another version: no prediction, the curve holds instead
+        return None
+
+
+def scale_after_steps(log: RunLog) -> list[tuple[int, float]]:
+    """The loss scale after each logged step (the scale the next step uses), as (step, scale).
+
+    The log holds the scale each step used, so the scale after step ``s`` is exact where step
+    ``s + 1`` is logged; after a skipped step whose successor is not, it is the reference
+    algorithm's backoff (``ampbridge.core.loss_scale``) when the policy's ``hysteresis`` is 1; otherwise
+    the step's own scale is held (a change between logged steps shows at the step before the next
+    logged one: sampling cannot see when a growth happened).
+
+    Example:
+        >>> log = RunLog({"policy": {}}, [{"step": s, "loss_scale": v, "found_inf": f, "skipped": f}
+        ...               for s, v, f in ((0, 4.0, False), (14, 4.0, True), (15, 2.0, False))])
+        >>> scale_after_steps(log)
+        [(0, 4.0), (13, 4.0), (14, 2.0), (15, 2.0)]
+    """
+    from ..core.loss_scale import LossScaleState, next_state
+
+    used = {s["step"]: s for s in log.steps}
+    cfg = _loss_scale_config(log.header)
+    points: dict[int, float] = {}
+    for step in sorted(used):
+        if step - 1 >= min(used) and step - 1 not in points:
+            points[step - 1] = used[step]["loss_scale"]
+    for step, record in sorted(used.items()):
+        if step + 1 in used:
+            points[step] = used[step + 1]["loss_scale"]
+            continue
+        after = record["loss_scale"]
+        if record["found_inf"] and cfg is not None and (cfg.mode != "dynamic" or cfg.hysteresis == 1):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    after = next_state(cfg, LossScaleState(scale=after, hysteresis_left=1), True).scale
+            except Exception:  # on_min_scale = "error": the run stopped at this step
+                pass
+        points[step] = after
+    return sorted(points.items())
+
+
 def plot(log: RunLog, path: str) -> None:
-    """Loss scale and skip events over steps, and per-layer underflow fractions, as a PNG."""
+    """Write :func:`figure` as a PNG."""
+    fig = figure(log)
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def figure(log: RunLog) -> Any:
+    """The loss, the loss scale after each step with the skipped steps, and per-layer underflow
+    fractions over steps (a matplotlib Figure, three axes sharing the step axis).
+
+    The scale curve is the scale in force after each step (:func:`scale_after_steps`), drawn as a
+    staircase that changes at the step that changed it: a skipped step's backoff drops at that
+    step. It runs to the closing record's last step where the log has one.
+    """
     try:
         import matplotlib
 
@@ -133,17 +247,28 @@ def plot(log: RunLog, path: str) -> None:
         from ..errors import BackendUnavailableError
 
         raise BackendUnavailableError("--plot needs matplotlib. Install with: pip install 'ampbridge[plot]'") from None
-    steps = [s["step"] for s in log.steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    top.plot(steps, [s["loss_scale"] for s in log.steps], drawstyle="steps-post", label="loss scale")
-    top.set_yscale("log", base=2)
-    skipped = [s["step"] for s in log.steps if s["skipped"]]
-    for i, x in enumerate(skipped):
-        top.axvline(x, color="red", alpha=0.4, linewidth=1, label="skipped step" if i == 0 else None)
-    top.set_ylabel("loss scale")
-    top.set_title(f"{log.header.get('framework', '?')} / {log.header.get('compute_dtype', '?')}: "
-                  f"{len(skipped)} skipped of {len(steps)}")
-    top.legend(loc="best")
+    summary = summarize(log)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    skipped = summary.skipped_steps
+    losses = [(s["step"], s["loss"]) for s in log.steps
+              if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
+    if losses:
+        top.plot(*zip(*losses), marker=".", markersize=3, linewidth=1, label="loss")
+    top.set_ylabel("loss (logged steps)")
+    points = scale_after_steps(log)
+    if points and summary.last_step is not None and summary.last_step > points[-1][0]:
+        points.append((summary.last_step, points[-1][1]))  # the steps after the last logged one
+    if points:
+        middle.plot(*zip(*points), drawstyle="steps-post", label="loss scale")
+    middle.set_yscale("log", base=2)
+    middle.set_ylabel("loss scale after each step\n(the scale the next step uses)")
+    for axis in (top, middle):
+        for i, x in enumerate(skipped):
+            axis.axvline(x, color="red", alpha=0.4, linewidth=1, label="skipped step" if i == 0 else None)
+        if axis.lines:
+            axis.legend(loc="best")
+    top.set_title(f"{summary.framework} / {summary.compute_dtype}: {summary.skipped} skipped of "
+                  f"{summary.steps_run} steps ({summary.steps} in the log)")
     for layer in log.header.get("layers", []):
         xs, ys = [], []
         for s in log.steps:
@@ -158,5 +283,4 @@ def plot(log: RunLog, path: str) -> None:
     if bottom.lines:
         bottom.legend(fontsize="small", ncol=2, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -9,6 +9,19 @@ The first line describes the run; each further line is one monitored step::
      "layers": {"block.attn.query": {"grad_max_abs": ..., "grad_rms": ..., "zero": ...,
                                      "nonfinite": ..., "underflow": ..., "overflow": ...}}}
 
+(``loss_scale``: the scale the step used, so a skipped step's backoff shows in the next step's),
+and the monitor, when it closes, writes a closing record with what it saw::
+
+    {"kind": "end", "steps": 60, "skipped": 2, "first_step": 0, "last_step": 59}
+
+``steps`` counts every optimizer step the monitor saw (logged or not: a sampling monitor logs
+every N-th step and every non-finite one), ``skipped`` those whose update was skipped (all of
+them are in the log), ``first_step`` / ``last_step`` the step counter's first and last value it
+saw (null when it saw none). A log may hold several closing records (a Keras ``fit`` writes one
+when it ends, and a later ``fit`` appends more steps): each gives the totals so far, the last
+one counts. A log without one (the monitor was never closed, or an older ampbridge wrote it) still
+reads: ``ampbridge report`` then counts the steps up to the last logged one, and says so.
+
 ``layers`` in the run line lists Plan paths in forward order (overflow attribution names the
 first of them that went non-finite). Per-layer statistics cover the gradients of the parameters
 the layer owns, taken before unscaling (``g``, scaled by ``S = loss_scale``):
@@ -98,6 +111,7 @@ class RunLogWriter:
                  min_scale: float | None = None, extra: Mapping[str, Any] | None = None):
         self.path = Path(path)
         self._file: IO[str] = self.path.open("w", encoding="utf-8")
+        self.skipped = 0  # step records written with skipped = true
         header = {"kind": "run", "version": LOG_VERSION, "framework": framework,
                   "compute_dtype": compute_dtype, "policy": dict(policy or {}), "layers": list(layers),
                   "min_scale": min_scale, **(extra or {})}
@@ -114,6 +128,18 @@ class RunLogWriter:
                      "loss_scale": float(loss_scale), "found_inf": bool(found_inf), "skipped": bool(skipped),
                      "first_nonfinite": dict(first_nonfinite) if first_nonfinite else None,
                      "layers": {k: {s: float(v[s]) for s in STAT_KEYS if s in v} for k, v in (layers or {}).items()}})
+        self.skipped += bool(skipped)
+
+    def end(self, steps: int, *, first_step: int | None, last_step: int | None, skipped: int | None = None) -> None:
+        """The closing record: ``steps`` the monitor saw, ``skipped`` of them (default: the skipped
+        step records written), the first and last step number it saw."""
+        self._write({"kind": "end", "steps": int(steps), "skipped": int(self.skipped if skipped is None else skipped),
+                     "first_step": None if first_step is None else int(first_step),
+                     "last_step": None if last_step is None else int(last_step)})
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
 
     def close(self) -> None:
         self._file.close()
@@ -130,6 +156,7 @@ class RunLog:
     header: dict[str, Any]
     steps: list[dict[str, Any]] = field(default_factory=list)
     source: str = ""
+    end: dict[str, Any] | None = None  # the last closing record; None in a log without one
 
 
 def _number(v: Any) -> Any:
@@ -162,8 +189,21 @@ def read_log(path: str | os.PathLike[str]) -> RunLog:
                 raise ValueError(f"{source}:{number}: log version {record.get('version')!r}; accepted: {LOG_VERSION}")
             log = RunLog(record, source=source)
             continue
+        if kind == "end":
+            for key in ("steps", "skipped"):
+                value = record.get(key)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"{source}:{number}: end record: {key!r} must be an integer >= 0; "
+                                     f"received {value!r}")
+            for key in ("first_step", "last_step"):
+                value = record.setdefault(key, None)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                    raise ValueError(f"{source}:{number}: end record: {key!r} must be an integer or null; "
+                                     f"received {value!r}")
+            log.end = record
+            continue
         if kind != "step":
-            raise ValueError(f"{source}:{number}: unknown record kind {kind!r}; accepted: step")
+            raise ValueError(f"{source}:{number}: unknown record kind {kind!r}; accepted: step, end")
         for key in ("step", "loss_scale", "found_inf", "skipped"):
             if key not in record:
                 raise ValueError(f"{source}:{number}: step record without {key!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -344,6 +345,8 @@ def test_sampling_every_100_logs_statistics_on_0_100_200_and_every_skip(tmp_path
     assert [bool(s["layers"]) for s in steps] == [True, False, True, False, True]
     assert [s["skipped"] for s in steps] == [False, True, False, True, False]
     assert set(steps[2]["layers"]) == {"first", "block.mid", "block.gate", "big", "norm", "head"}
+    # the closing record: every step recorded, logged or not (issue 23)
+    assert read_log(log).end == {"kind": "end", "steps": 201, "skipped": 2, "first_step": 0, "last_step": 200}
 
 
 def test_report_names_the_planted_layer_counts_skips_and_plots(tmp_path, capsys):
@@ -362,7 +365,10 @@ def test_report_names_the_planted_layer_counts_skips_and_plots(tmp_path, capsys)
     assert header["policy"]["keep_float32"] == ["kind:norm"]
     assert _cli.main(["report", str(log), "--plot", str(tmp_path / "run.png")]) == 0
     text = capsys.readouterr().out
+    assert "run: jax, compute float16, 24 step(s) (steps 0-23), 18 in the log" in text  # not 22 (issue 23)
     assert "skipped steps: 6 (1, 5, 9, 13, 17, 21)" in text
+    # steps non-finite: none of the 6 was sampled; each counts for the layer it started in
+    assert re.search(r"^big +[0-9.]+% +6$", text, re.MULTILINE), text
     assert "first layer to go non-finite, by steps: big (6)" in text and 'keep_float32 = ["big"]' in text
     png = (tmp_path / "run.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

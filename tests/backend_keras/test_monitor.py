@@ -150,6 +150,7 @@ def test_forward_overflow_named_and_reported(kx, tmp_path):
         code = ampbridge.cli.commands.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")])
     text = out.getvalue()
     assert code == 0, text
+    assert f"run: keras ({BACKEND}), compute float16, 6 step(s) (steps 0-5), 6 in the log" in text
     assert "skipped steps: 6" in text and "boom (6)" in text and 'keep_float32 = ["boom"]' in text
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -210,12 +211,16 @@ def test_sampling_every_100_and_loss_attribution(kx, tmp_path):
         assert s["layers"] == {} and s["found_inf"] and s["skipped"] and np.isnan(s["loss"])
         assert s["first_nonfinite"] == {"path": "", "where": "loss"}
     assert by_step[150]["loss_scale"] == 128.0  # halved once, at step 7
+    # fit's end wrote the closing record (issue 23): every step seen, logged or not
+    assert log.end == {"kind": "end", "steps": 201, "skipped": 2, "first_step": 0, "last_step": 200}
 
     # a second fit with the same callback appends; the step numbers continue
     model.fit(np.ones((100, 4), "float32"), np.zeros((100, 1), "float32"), batch_size=1, verbose=0,
               callbacks=[callback])
     callback.close()
-    assert [s["step"] for s in read_log(tmp_path / "run.jsonl").steps][-1] == 300
+    log = read_log(tmp_path / "run.jsonl")
+    assert [s["step"] for s in log.steps][-1] == 300
+    assert log.end == {"kind": "end", "steps": 301, "skipped": 2, "first_step": 0, "last_step": 300}
 
 
 # --- the statistics ---------------------------------------------------------------------------------
@@ -457,4 +462,6 @@ def test_record_twice_logs_once(kx, tmp_path):
         first = monitor.record()
         assert first["step"] == 1 and sorted(first["layers"]) == ["a", "head"]
         assert monitor.record() is None
-    assert [s["step"] for s in read_log(tmp_path / "run.jsonl").steps] == [1]
+    log = read_log(tmp_path / "run.jsonl")
+    assert [s["step"] for s in log.steps] == [1]
+    assert log.end == {"kind": "end", "steps": 1, "skipped": 0, "first_step": 1, "last_step": 1}  # counted once

@@ -220,6 +220,9 @@ def test_every_100_samples_steps_0_100_200_and_logs_every_skip(tmp_path):
     assert {k for k, s in steps.items() if s["layers"]} == {0, 100, 200}
     assert [k for k, s in steps.items() if s["skipped"]] == [57, 150]
     assert steps[150]["first_nonfinite"] == {"path": "", "where": "loss"}
+    # the closing record: every step the monitor saw, logged or not (issue 23)
+    assert read_log(tmp_path / "run.jsonl").end == {"kind": "end", "steps": 201, "skipped": 2, "first_step": 0,
+                                                    "last_step": 200}
 
 
 def test_host_syncs_and_transfers(tmp_path, counter, monkeypatch):
@@ -254,8 +257,11 @@ def test_host_syncs_and_transfers(tmp_path, counter, monkeypatch):
             assert counts == [(0, 1), (0, 0), (0, 0), (0, 0), (0, 0), (0, 1), (0, 0)]
         else:
             assert counts == [(1, 1), (1, 0), (1, 0), (1, 1), (1, 0), (1, 1), (1, 0)]
-        steps = by_step(read_log(tmp_path / f"run-{fused}.jsonl"))
+        log = read_log(tmp_path / f"run-{fused}.jsonl")
+        steps = by_step(log)
         assert sorted(steps) == [0, 3, 5] and steps[3]["skipped"]
+        # the step that waited on the device counts as skipped in the closing record too
+        assert (log.end["steps"], log.end["skipped"], log.end["last_step"]) == (7, 1, 6)
         assert steps[3]["first_nonfinite"] == {"path": "2", "where": "output"}
         model2 = chain()  # without a monitor: the same reads
         amp2 = abt.apply(model2, "mixed_float16")
@@ -391,8 +397,10 @@ def test_report_names_the_planted_layer_and_counts_skips(tmp_path):
     with contextlib.redirect_stdout(out):
         assert ampbridge.cli.commands.main(["report", str(tmp_path / "run.jsonl"), "--plot", str(tmp_path / "run.png")]) == 0
     text = out.getvalue()
+    assert "run: torch, compute float16, 24 step(s) (steps 0-23), 9 in the log" in text  # not 21 (issue 23)
     assert "skipped steps: 3 (5, 9, 10)" in text
     assert "first layer to go non-finite, by steps: 4 (3)" in text
+    assert "4      0.00%      3" in text  # steps non-finite: the 3 unsampled skipped steps count too
     assert '4 was the first layer to go non-finite on 3 step(s): pin it (keep_float32 = ["4"])' in text
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for record in read_log(tmp_path / "run.jsonl").steps:

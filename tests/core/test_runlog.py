@@ -115,5 +115,146 @@ def test_sampled_logs_count_skips_against_the_steps_run_and_a_loss_origin_gets_i
     assert not any("steps were skipped" in a for a in s.advice)  # 1 of 301, not 1 of 5
     assert any(a.startswith("the loss itself was non-finite on 1 step(s)") for a in s.advice)
     assert not any('keep_float32 = [""]' in a for a in s.advice)
-    assert "run: jax, compute float16, 301 step(s), 5 in the log" in format_summary(s)
+    assert "run: jax, compute float16, 301 step(s) (to the last logged step: the log has no closing record), 5 in the log" in format_summary(s)
     assert "(the loss) (1)" in format_summary(s)
+
+
+# --- the closing record (issue 23: a sampled log read right) ----------------------------------------
+
+def write_sampled(path, *, end=True, every=5, steps=60, skipped=(14, 30), first=None):
+    """A sampled log as a monitor writes it: every N-th step with statistics, each skipped step
+    (with statistics only when sampled), the scale halving after each skip; then the closing record."""
+    scale = 65536.0
+    with RunLogWriter(path, framework="torch", compute_dtype="float16", layers=["a", "b"], min_scale=None,
+                      policy={"compute_dtype": "float16", "loss_scale": {"mode": "dynamic"}}) as log:
+        for i in range(steps):
+            bad = i in skipped
+            if i % every == 0 or bad:
+                stats = {p: {"grad_max_abs": 1.0, "grad_rms": 0.1, "zero": 0.0, "nonfinite": 1.0 if bad else 0.0,
+                             "underflow": 0.0, "overflow": 0.0} for p in ("a", "b")} if i % every == 0 else {}
+                log.step(i, loss=None if bad else 1.0 / (i + 1), loss_scale=scale, found_inf=bad, skipped=bad,
+                         layers=stats, first_nonfinite={"path": first, "where": "gradient"} if bad and first else None)
+            if bad:
+                scale /= 2
+        if end:
+            log.end(steps, first_step=0, last_step=steps - 1)
+
+
+def test_the_closing_record_counts_the_steps_a_sampled_log_left_out(tmp_path):
+    path = tmp_path / "run.jsonl"
+    write_sampled(path)
+    assert json.loads(path.read_text().splitlines()[-1]) == {
+        "kind": "end", "steps": 60, "skipped": 2, "first_step": 0, "last_step": 59}
+    log = read_log(path)
+    assert len(log.steps) == 13 and log.end["steps"] == 60
+    s = summarize(log)
+    assert (s.steps, s.steps_run, s.steps_counted, s.skipped, s.skipped_steps) == (13, 60, "closing record", 2, [14, 30])
+    text = format_summary(s)
+    assert "run: torch, compute float16, 60 step(s) (steps 0-59), 13 in the log" in text
+    assert "skipped steps: 2 (14, 30)" in text
+
+
+def test_a_log_without_a_closing_record_still_reads_and_says_how_it_counted(tmp_path):
+    path = tmp_path / "old.jsonl"
+    write_sampled(path, end=False)
+    log = read_log(path)
+    assert log.end is None
+    s = summarize(log)
+    assert (s.steps_run, s.steps_counted, s.skipped) == (56, "last logged step", 2)
+    assert "56 step(s) (to the last logged step: the log has no closing record), 13 in the log" in format_summary(s)
+
+
+def test_closing_records_the_last_counts_and_steps_may_follow(tmp_path):
+    """A Keras fit writes one when it ends; a later fit appends steps and another."""
+    path = tmp_path / "run.jsonl"
+    with RunLogWriter(path, framework="keras (jax)", compute_dtype="float16", layers=[]) as log:
+        log.step(0, loss=1.0, loss_scale=2.0, found_inf=True, skipped=True)
+        log.end(10, first_step=0, last_step=9)
+        log.step(10, loss=1.0, loss_scale=1.0, found_inf=False, skipped=False)
+        log.end(20, first_step=0, last_step=19)
+    log = read_log(path)
+    assert [s["step"] for s in log.steps] == [0, 10]
+    assert (log.end["steps"], log.end["skipped"], log.end["last_step"]) == (20, 1, 19)
+    assert summarize(log).steps_run == 20
+
+
+@pytest.mark.parametrize("record,message", [
+    ('{"kind": "end", "skipped": 0}', "end record: 'steps' must be an integer >= 0; received None"),
+    ('{"kind": "end", "steps": -1, "skipped": 0}', "end record: 'steps' must be an integer >= 0; received -1"),
+    ('{"kind": "end", "steps": 3, "skipped": true}', "end record: 'skipped' must be an integer >= 0; received True"),
+    ('{"kind": "end", "steps": 3, "skipped": 0, "last_step": "x"}', "end record: 'last_step' must be an integer or null"),
+    ('{"kind": "stop"}', "unknown record kind 'stop'; accepted: step, end"),
+])
+def test_bad_closing_records(tmp_path, record, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"kind": "run", "version": 1}\n' + record + "\n")
+    with pytest.raises(ValueError, match=":2: " + message.replace("(", r"\(").replace(")", r"\)")):
+        read_log(path)
+
+
+def test_steps_non_finite_counts_every_skipped_step_of_the_log(tmp_path):
+    """Step 30 is sampled (both layers' statistics non-finite), step 14 is not (only its
+    attribution names a): a counts both, b the one whose statistics show it."""
+    path = tmp_path / "run.jsonl"
+    write_sampled(path, first="a")
+    s = summarize(read_log(path))
+    assert s.nonfinite_layers == {"a": 2, "b": 1}
+    assert (s.nonfinite_steps, s.nonfinite_sampled) == (2, 1)
+    text = format_summary(s)
+    assert "a      0.00%      2" in text and "b      0.00%      1" in text
+    assert "(1 of the 2 non-finite steps were not sampled: on those only the first layer to go non-finite" in text
+
+
+def test_the_scale_after_each_step_backs_off_at_the_skipped_step(tmp_path):
+    from ampbridge.diagnostics.report import scale_after_steps
+
+    path = tmp_path / "run.jsonl"
+    write_sampled(path)
+    points = dict(scale_after_steps(read_log(path)))
+    # 14: skipped, 15 logged (its scale is exact); 30: skipped and sampled, 31 not logged: the
+    # reference algorithm's backoff
+    assert (points[13], points[14], points[15]) == (65536.0, 32768.0, 32768.0)
+    assert (points[29], points[30], points[35]) == (32768.0, 16384.0, 16384.0)
+    assert all(points[k] == 65536.0 for k in points if k < 14)
+    assert all(points[k] == 32768.0 for k in points if 14 <= k < 30)
+
+
+@pytest.mark.parametrize("loss_scale,after", [
+    ({"mode": "dynamic", "hysteresis": 2}, 4.0),  # the first overflow only spends hysteresis: held
+    ({"mode": "static", "initial_scale": 4.0}, 4.0),
+    ({"mode": "dynamic", "min_scale": 4.0}, 4.0),  # clamped at min_scale
+    ({"mode": "dynamic", "backoff_factor": 0.25}, 1.0),
+])
+def test_the_scale_after_a_lone_skipped_step_follows_the_policy(tmp_path, loss_scale, after):
+    from ampbridge.diagnostics.report import scale_after_steps
+
+    path = tmp_path / "run.jsonl"
+    with RunLogWriter(path, framework="jax", compute_dtype="float16", layers=[],
+                      policy={"compute_dtype": "float16", "loss_scale": loss_scale}) as log:
+        for step, bad in ((0, False), (7, True), (10, False)):
+            log.step(step, loss=1.0, loss_scale=4.0, found_inf=bad, skipped=bad)
+    assert dict(scale_after_steps(read_log(path)))[7] == after
+
+
+def test_the_plot_shows_the_loss_and_the_backoff_at_the_skipped_step(tmp_path):
+    require("matplotlib")
+    from ampbridge.diagnostics.report import figure
+
+    path = tmp_path / "run.jsonl"
+    write_sampled(path)
+    fig = figure(read_log(path))
+    loss_axis, scale_axis, _ = fig.axes
+    assert fig.axes[0].get_title() == "torch / float16: 2 skipped of 60 steps (13 in the log)"
+    (loss,) = [line for line in loss_axis.lines if line.get_label() == "loss"]
+    assert list(loss.get_xdata()) == [0, 5, 10, 15, 20, 25, 35, 40, 45, 50, 55]  # the skipped steps' loss is not finite
+    assert loss.get_ydata()[1] == pytest.approx(1 / 6)
+    (scale,) = [line for line in scale_axis.lines if line.get_label() == "loss scale"]
+    assert scale.get_drawstyle() == "steps-post" and "after each step" in scale_axis.get_ylabel()
+    xs, ys = list(scale.get_xdata()), list(scale.get_ydata())
+    drops = [xs[k] for k in range(1, len(xs)) if ys[k] < ys[k - 1]]
+    assert drops == [14, 30] and xs[-1] == 59 and ys[-1] == 16384.0  # to the closing record's last step
+    skip_lines = [line for line in scale_axis.lines if line.get_label() == "skipped step"]
+    assert len(skip_lines) == 1 and list(skip_lines[0].get_xdata()) == [14, 14]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -484,6 +484,7 @@ class Monitor:
         self.max_lag = max_lag
         self._writer: RunLogWriter | None = None
         self._pending: list[tuple[int | None, list, Numerics]] = []
+        self._seen: tuple[int, int, int] = (0, -1, -1)  # steps written or passed, the first and last (the closing record)
 
     def _open(self, order: Sequence[str] = ()) -> Any:
         """Write the header: the Plan's paths in forward order (the order the step called them)."""
@@ -521,6 +522,7 @@ class Monitor:
         writer = self._open(stats.order)
         if step is None:
             step = int(stats.step)
+        self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
         found_inf = bool(stats.found_inf)
         due = self.due(step)
         if not (due or found_inf):
@@ -538,8 +540,13 @@ class Monitor:
             self._write(*self._pending.pop(0))
 
     def close(self) -> None:
+        """Write every queued step, the closing record, and close the log."""
         self.flush()
-        self._open().close()
+        writer = self._open()
+        if not writer.closed:
+            seen, first, last = self._seen
+            writer.end(seen, first_step=first if seen else None, last_step=last if seen else None)
+            writer.close()
 
     def __enter__(self) -> "Monitor":
         return self

@@ -213,6 +213,7 @@ class Monitor:
         self._attached = False
         self._positions: tuple[list[int], list[int]] | None = None
         self._next_step: int | None = None
+        self._seen: tuple[int, int, int] = (0, -1, -1)  # steps read, the first and last step number (the closing record)
         self.attach()
 
     # --- attaching to the model and optimizer ---
@@ -314,10 +315,17 @@ class Monitor:
         self._attached = False
 
     def close(self) -> None:
-        """Detach and close the log."""
+        """Detach, write the closing record and close the log."""
         self.detach()
         if self._writer is not None:
+            self._end()
             self._writer.close()
+
+    def _end(self) -> None:
+        """The closing record (the totals so far: ``fit`` ending writes one too, the last counts)."""
+        seen, first, last = self._seen
+        if not self._writer.closed:
+            self._writer.end(seen, first_step=first if seen else None, last_step=last if seen else None)
 
     def __enter__(self) -> "Monitor":
         return self
@@ -373,6 +381,7 @@ class Monitor:
         if expected is not None and step == expected - 1:
             return None  # no optimizer step since the last record: already logged (or not to be)
         self._next_step = step + 1
+        self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
         if sampled and not want_stats:  # record() was not called after every step: read them now
             stats_v = _fetch([stats])
         else:
@@ -424,8 +433,9 @@ class MonitorCallback(keras.callbacks.Callback):
     ``every``: per-layer statistics on every N-th optimizer step (step 0 included); steps whose
     gradients were non-finite are always logged. One callback writes one log: the model stays
     monitored after ``fit`` returns, so fitting again with the same callback appends to the log
-    (step numbers continue) without re-tracing the train step; :meth:`close` detaches the
-    monitor (the next ``fit`` re-traces without it) and closes the log.
+    (step numbers continue) without re-tracing the train step; each ``fit`` ends with the log's
+    closing record (the steps and skips so far: ``ampbridge report`` reads the last one);
+    :meth:`close` detaches the monitor (the next ``fit`` re-traces without it) and closes the log.
 
     Example:
         >>> import os, tempfile, keras, numpy as np, ampbridge
@@ -465,6 +475,10 @@ class MonitorCallback(keras.callbacks.Callback):
                                 optimizer_variables=state["optimizer_variables"])
         else:
             self.monitor.record()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self.monitor is not None:
+            self.monitor._end()  # the totals so far, for a log read before close()
 
     def close(self) -> None:
         """Detach the monitor from the model and close the log."""

@@ -149,6 +149,7 @@ class Monitor:
         self._took_grads = False
         self._pending: list[_Pending] = []
         self._writer: Any = None
+        self._seen: tuple[int, int, int] = (0, -1, -1)  # steps seen, the first and last step number (the closing record)
         self.closed = False
         amp.scaler._monitor = self
 
@@ -178,6 +179,8 @@ class Monitor:
             if self._pending:
                 self._flush()
             self._header()
+            seen, first, last = self._seen
+            self._writer.end(seen, first_step=first if seen else None, last_step=last if seen else None)
         finally:
             for handle in self._order_hooks + self._hooks:
                 handle.remove()
@@ -275,6 +278,7 @@ class Monitor:
                    skip: bool) -> None:
         """Called by the scaler's update() before the scale moves; ``known``: found_inf if the host read it."""
         self._took_grads = False
+        self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
         if self._order_hooks:  # the first forward showed the order
             for handle in self._order_hooks:
                 handle.remove()
