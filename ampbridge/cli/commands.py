@@ -245,6 +245,29 @@ def _auto_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _ds_version_arg(text: str) -> str:
+    from ..recipes.deepspeed_releases import parse
+
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _ds_version(args: argparse.Namespace) -> str | None:
+    """--deepspeed-version, or the release the old --deepspeed-release names (both given must agree)."""
+    from ..recipes.deepspeed_releases import resolve
+
+    version, release = getattr(args, "deepspeed_version", None), getattr(args, "deepspeed_release", None)
+    if version is None and release is None:
+        return None
+    try:
+        return resolve(version, release)
+    except ValueError as e:
+        raise UsageError(f"--deepspeed-version/--deepspeed-release: {e}") from None
+
+
 def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: Any) -> Any:
     """A file, a ``FORMAT:VALUE`` (the value a file or a name), or a bare precision name -> its Conversion."""
     from .. import recipes
@@ -258,8 +281,8 @@ def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: 
     is_file = path.is_file()
     if not is_file and (path.suffix.lower() in _POLICY_SUFFIXES or "/" in spec or os.sep in spec):
         raise PolicyError([Problem("no such file", file=spec)])
-    given = {"auto": getattr(args, "auto", None), "release": getattr(args, "deepspeed_release", None),
-             "half": getattr(args, "jmp_half", None)}
+    given = {"auto": getattr(args, "auto", None), "version": _ds_version(args), "device": getattr(args, "device", None),
+             "api": getattr(args, "lightning_api", None), "half": getattr(args, "jmp_half", None)}
     given.update(extra)
     if is_file:
         detected = fmt or recipes.load(path).source_format  # detect first: pass only the options it takes
@@ -311,10 +334,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                  "policy (convert to ampbridge, grad-scaler or flax)")
         options: dict[str, Any] = {}
         if target == "deepspeed":
-            options = {"via": args.deepspeed_via, "release": args.deepspeed_release or "stable_interval"}
+            options = {"via": args.deepspeed_via, "version": _ds_version(args)}
         out = recipes.write(result, target, **options)
         losses += out.losses
-        notes += out.notes
+        notes += [n for n in out.notes if n not in notes]  # an explanation both sides give, once
         text = _render_result(out.result, target, out)
     if src.state is not None:
         s = src.state
@@ -443,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only-ruled", action="store_true", help="hide the rows the defaults decided")
     p.set_defaults(run=cmd_explain)
 
-    from ..recipes import DEEPSPEED_RELEASES, READ_FORMATS, WRITE_FORMATS
+    from ..recipes import DEEPSPEED_RELEASES, DEEPSPEED_VERSION, READ_FORMATS, WRITE_FORMATS
 
     p = sub.add_parser("convert", help="read another tool's AMP settings (or a policy) and write them as an "
                        "ampbridge policy or for another tool; every setting that cannot be carried over is listed")
@@ -458,9 +481,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any setting is lost")
     p.add_argument("--auto", type=_auto_arg, metavar="fp16|bf16|no",
                    help="the trainer's precision, which fills DeepSpeed's \"auto\" values")
+    p.add_argument("--deepspeed-version", type=_ds_version_arg, metavar="X.Y.Z", default=None,
+                   help=f"the DeepSpeed release to read and write for (default {DEEPSPEED_VERSION}): its loss-scaler "
+                   "growth test and which ZeRO stages skip non-finite steps")
     p.add_argument("--deepspeed-release", choices=DEEPSPEED_RELEASES, default=None,
-                   help="DeepSpeed's loss-scaler growth test: modulo (microsoft/DeepSpeed 0336518 and earlier) or "
-                   "stable_interval (deepspeedai/DeepSpeed 18fd4c9 and later; the default)")
+                   help="older spelling of --deepspeed-version: modulo = 0.17.0, stable_interval = "
+                   f"{DEEPSPEED_VERSION}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="where Accelerate/Lightning run (default cuda): on CPU Accelerate runs fp16 as float32, "
+                   "Lightning runs 16-mixed as bf16-mixed")
+    p.add_argument("--lightning-api", choices=("trainer", "fabric"), default=None,
+                   help="Lightning's Trainer (the default: outputs not converted) or Fabric (outputs float32)")
     p.add_argument("--deepspeed-via", choices=("native", "torch_autocast", "amp"), default="native",
                    help="how --to deepspeed realises the policy (default: its fp16/bf16 modes)")
     p.add_argument("--jmp-half", choices=("float16", "bfloat16"), default=None,
@@ -474,7 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="files or precision names (FORMAT:VALUE to say which, e.g. lightning:bf16-mixed)")
     p.add_argument("--auto", type=_auto_arg, metavar="fp16|bf16|no", help="what fills DeepSpeed's \"auto\" values "
                    "(default: the Accelerate/Lightning settings given, else the policy's compute dtype)")
-    p.add_argument("--deepspeed-release", choices=DEEPSPEED_RELEASES, default=None)
+    p.add_argument("--deepspeed-version", type=_ds_version_arg, metavar="X.Y.Z", default=None,
+                   help=f"the DeepSpeed release (default {DEEPSPEED_VERSION})")
+    p.add_argument("--deepspeed-release", choices=DEEPSPEED_RELEASES, default=None,
+                   help="older spelling of --deepspeed-version (modulo = 0.17.0)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="where Accelerate/Lightning run")
+    p.add_argument("--lightning-api", choices=("trainer", "fabric"), default=None)
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("formats", help="floating-point format facts of every dtype")

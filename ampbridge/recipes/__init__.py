@@ -35,7 +35,7 @@ disagreements.
 
 Example:
     >>> from ampbridge import recipes
-    >>> c = recipes.from_lightning("bf16-mixed")
+    >>> c = recipes.from_lightning("bf16-mixed", api="fabric")
     >>> c.result.compute_dtype, c.result.param_dtype, c.losses
     ('bfloat16', 'float32', ())
     >>> recipes.to_lightning(c.result).result
@@ -57,6 +57,7 @@ from .convert import (
 )
 from .deepspeed import (
     DEEPSPEED_RELEASES,  # noqa: F401  (public outside __all__, as before the split)
+    DEEPSPEED_VERSION,  # noqa: F401
     from_deepspeed,
     to_deepspeed,
 )

@@ -39,7 +39,7 @@ _ACCELERATE_KEYS = (
     "same_network", "main_training_function", "enable_cpu_affinity", "fp8_config", "deepspeed_config",
     "fsdp_config", "tp_config", "megatron_lm_config", "ipex_config", "mpirun_config", "downcast_bf16",
     "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
-    "dynamo_config",
+    "dynamo_config", "parallelism_config",
     # SageMakerConfig
     "ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "base_job_name", "pytorch_version",
     "transformers_version", "py_version", "sagemaker_inputs_file", "sagemaker_metrics_file", "additional_args",
@@ -50,7 +50,8 @@ _ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 
 
 def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[str, Any] | None = None,
-                    release: str = "stable_interval", source: str | None = None,
+                    version: str | None = None, release: str | None = None, device: str | None = None,
+                    source: str | None = None,
                     base_dir: str | os.PathLike[str] | None = None,
                     _locate: Callable[[tuple], int | None] | None = None) -> Conversion:
     """An Accelerate config (``accelerate config``'s YAML, parsed) -> Policy.
@@ -61,8 +62,11 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     code, not in the YAML). Under ``distributed_type: FSDP`` gradients are reduced in the mixed
     dtype (Accelerate's ``MixedPrecision(param_dtype=d, reduce_dtype=d, buffer_dtype=d)``); under
     ``DEEPSPEED`` the precision is DeepSpeed's (its ``deepspeed_config_file`` is read when
-    ``base_dir`` locates it; ``release`` as in :func:`from_deepspeed`). ``mixed_precision: no`` unquoted is YAML 1.1's ``false`` and reads
-    as ``"no"``; ``fp8`` raises :class:`~ampbridge.UnsupportedOptionError`.
+    ``base_dir`` locates it; ``version`` (DeepSpeed's) and ``release`` as in :func:`from_deepspeed`).
+    ``mixed_precision: no`` and ``distributed_type: NO`` unquoted are YAML 1.1's ``false`` and read
+    as "no" / "NO"; ``fp8`` raises :class:`~ampbridge.UnsupportedOptionError`.
+    ``device``: "cuda" (the default) or "cpu" (``use_cpu: true`` says cpu too): on CPU Accelerate
+    (1.16) runs fp16 with neither autocast nor a GradScaler, so it reads as float32.
 
     Example:
         >>> c = from_accelerate({"distributed_type": "MULTI_GPU", "mixed_precision": "fp16"},
@@ -96,6 +100,9 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
             "and Accelerate's fp8 runs its matmuls through TransformerEngine/MS-AMP/torchao. Keep the fp8 recipe "
             "in Accelerate, or convert a bf16 variant of it (mixed_precision: bf16)")
     dist = config.get("distributed_type", "NO")
+    if dist is False:
+        dist = "NO"
+        r.note("distributed_type: NO (unquoted) is YAML 1.1's false; read as 'NO', as Accelerate means it")
     if not isinstance(dist, str):
         r.problem(("distributed_type",), "must be a string", value=dist,
                   accepted="NO, MULTI_GPU, FSDP, DEEPSPEED, XLA, ...")
@@ -103,8 +110,23 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     dist = dist.upper()
     compute = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}[raw]
     kwargs = dict(grad_scaler_kwargs or {})
+    if config.get("parallelism_config") is not None:
+        r.note("parallelism_config sets parallel sizes (dp/tp/cp), no precision")
+    if device not in (None, "cuda", "cpu"):
+        raise ValueError(f"device={device!r}; accepted: cuda, cpu")
+    if config.get("use_cpu") is True and device is None:
+        device = "cpu"
+        r.note("use_cpu: true: read for the CPU")
     if dist == "DEEPSPEED":
-        return _accelerate_deepspeed(r, config, raw, base_dir, release)
+        return _accelerate_deepspeed(r, config, raw, base_dir, version, release)
+    if raw == "fp16" and device == "cpu":
+        r.note("mixed_precision 'fp16' on CPU: Accelerate 1.16 runs neither autocast nor a GradScaler (native_amp "
+               "is off), so the model computes in float32")
+        raw, compute, kwargs = "no", "float32", {}
+        r.origins["compute_dtype"] = "mixed_precision ('fp16' on CPU: no autocast)"
+    elif raw == "fp16":
+        r.note("read for CUDA: on CPU, Accelerate runs mixed_precision 'fp16' as float32 (no autocast, no "
+               "GradScaler); pass device='cpu' (--device cpu) for that")
     if kwargs and raw != "fp16":
         r.note(f"grad_scaler_kwargs have no effect with mixed_precision={raw!r}: Accelerate builds a GradScaler "
                "only for fp16")
@@ -134,7 +156,8 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
 
 
 def _accelerate_deepspeed(r: _Reader, config: Mapping[str, Any], precision: str,
-                          base_dir: str | os.PathLike[str] | None, release: str) -> Conversion:
+                          base_dir: str | os.PathLike[str] | None, version: str | None,
+                          release: str | None) -> Conversion:
     ds_section = r.section(config, "deepspeed_config") or {}
     file = ds_section.get("deepspeed_config_file")
     r.raise_if_any()
@@ -146,7 +169,7 @@ def _accelerate_deepspeed(r: _Reader, config: Mapping[str, Any], precision: str,
                                        key="deepspeed_config.deepspeed_config_file", file=r.source, value=file,
                                        hint="read the DeepSpeed file itself with from_deepspeed(..., auto='"
                                        + precision + "')")])
-        inner = _load_config_file(path, auto=auto, release=release)
+        inner = _load_config_file(path, auto=auto, version=version, release=release)
         notes = (f"distributed_type DEEPSPEED: the precision is DeepSpeed's, read from {file} with its 'auto' "
                  f"values filled from mixed_precision={precision!r}",) + inner.notes
     else:
@@ -156,7 +179,7 @@ def _accelerate_deepspeed(r: _Reader, config: Mapping[str, Any], precision: str,
             ds["fp16"] = {"enabled": True, "auto_cast": True}
         elif precision == "bf16":
             ds["bf16"] = {"enabled": True}
-        inner = from_deepspeed(ds, source=r.source, release=release)
+        inner = from_deepspeed(ds, source=r.source, version=version, release=release)
         notes = ("distributed_type DEEPSPEED without a deepspeed_config_file: read as the DeepSpeed config "
                  f"Accelerate's DeepSpeedPlugin builds ({json.dumps(ds)}), DeepSpeed's defaults filling the rest",) \
             + inner.notes

@@ -340,6 +340,8 @@ class _Writer:
                 self.loss("keep_float32", list(p.keep_float32), reason)
             if p.overrides:
                 self.loss("override", [r.to_dict() for r in p.overrides], reason)
+            if p.kinds:
+                self.loss("kinds", {k: list(v) for k, v in p.kinds}, reason + " (so no [kinds] table either)")
 
 
 def _policy_of(obj: Policy | LossScaleConfig, what: str) -> Policy:
@@ -424,8 +426,27 @@ def _read_grad_scaler_args(r: _Reader, kw: Mapping[str, Any], path: tuple, what:
     if not enabled:
         # a disabled GradScaler passes the loss through and steps the optimizer unconditionally
         return {"mode": "none", "skip_nonfinite": False}
+    for key, factor in (("growth_factor", growth), ("backoff_factor", backoff)):
+        if isinstance(factor, float) and isinstance(init, float) and 0.0 < factor != f32(factor):
+            _double_factor_loss(r, prefix + key, factor, init)
     return {"mode": "dynamic", "initial_scale": init, "growth_factor": growth, "backoff_factor": backoff,
             "growth_interval": interval, "skip_nonfinite": True}
+
+
+def _double_factor_loss(r: _Reader, key: str, factor: float, init: float) -> None:
+    """torch's _amp_update_scale_ multiplies the float32 scale by the factor as a double, then rounds;
+    ampbridge by the factor's float32 value. Name the first growth (or backoff) from ``init`` where they part."""
+    mine = theirs = f32(init)
+    for n in range(1, 100_000):
+        mine, theirs = f32(mine * f32(factor)), f32(theirs * factor)
+        if mine != theirs:
+            kind = "growth" if factor > 1 else "backoff"
+            r.loss(key, factor, f"not a float32 number: torch multiplies the float32 scale by the double {factor!r}, "
+                   f"ampbridge by float32 {f32(factor)!r}; from init_scale {init!r} the scales part at {kind} number "
+                   f"{n} ({theirs!r} in torch, {mine!r} here)")
+            return
+        if not math.isfinite(mine) or mine == 0.0 or not math.isfinite(theirs) or theirs == 0.0:
+            return
 
 
 def _origins_all_loss_scale(r: _Reader, origin: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from ..core.loss_scale import f32
 from ..core.policy import LossScaleConfig, Policy
 from ..errors import PolicyError, Problem
+from . import deepspeed_releases as _rel
 from .apex import _APEX_KEYS, _apex, _apex_out
 from .convert import (
     _ALL_BUT_MATMUL,
@@ -40,11 +41,19 @@ from .convert import (
 
 # --- DeepSpeed ----------------------------------------------------------------------------------
 
-#: the releases whose DynamicLossScaler growth test differs (see ``from_deepspeed``)
+#: the old names of the two DynamicLossScaler growth tests (``release=``; ``version=`` replaces it):
+#: "modulo" is DeepSpeed 0.17.0 and earlier, "stable_interval" 0.17.1 (PR 6976, e440506) and later
 DEEPSPEED_RELEASES = ("modulo", "stable_interval")
-_MODULO = "microsoft/DeepSpeed 0336518 and earlier (growth test (cur_iter - last_overflow_iter) % window == 0)"
-_STABLE = ("deepspeedai/DeepSpeed 18fd4c9 and later (growth test stable_interval = cur_iter - last_overflow_iter - 1; "
-           "stable_interval > 0 and stable_interval % window == 0)")
+#: the DeepSpeed release read when none is given
+DEEPSPEED_VERSION = _rel.CURRENT
+_GROWTH_NOTE = ("DeepSpeed 0.17.1 and later (PR 6976, commit e440506) test growth as stable_interval = cur_iter - "
+                "last_overflow_iter - 1 > 0 and stable_interval % window == 0, so the first growth after an overflow "
+                "(and at the start) waits window + 1 finite steps, later ones window; ampbridge grows after every "
+                "window finite steps, as DeepSpeed 0.17.0 and earlier did. The two trajectories part at the first "
+                "step where ampbridge grows the scale")
+_FP16_OPT_NOTE = ("without ZeRO, DeepSpeed's fp16 loss scale lives in FP16_Optimizer / FP16_UnfusedOptimizer "
+                  "(_update_scale): no hysteresis (fp16.hysteresis is ignored), the stable_interval growth test and "
+                  "a clamp at min_loss_scale instead of an error, in every checked release (0.17.0-0.19.8)")
 
 _DS_FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                  "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads", "fused_mode")
@@ -53,7 +62,11 @@ _DS_BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf1
 _DS_AUTOCAST_KEYS = ("enabled", "dtype", "lower_precision_safe_modules")
 #: the top-level DeepSpeed keys ampbridge reads (a near-miss of one of these is reported as a typo)
 _DS_READ = ("fp16", "bf16", "bfloat16", "torch_autocast", "amp", "communication_data_type", "data_types",
-            "zero_optimization")
+            "zero_optimization", "seq_parallel_communication_data_type")
+#: zero_optimization keys that change numerics ampbridge cannot express (reported as losses when on)
+_ZERO_QUANTIZED = {"zero_quantized_gradients": "ZeRO++ all-reduces gradients quantized to int4/int8",
+                   "zero_quantized_weights": "ZeRO++ all-gathers weights quantized to int8",
+                   "zero_quantized_nontrainable_weights": "ZeRO++ keeps non-trainable weights quantized to int8"}
 _DS_OTHER_KNOWN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                    "optimizer", "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
                    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp32_allreduce",
@@ -61,7 +74,7 @@ _DS_OTHER_KNOWN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradie
                    "comms_logger", "checkpoint", "aio", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
                    "dump_state", "memory_breakdown", "elasticity", "compression_training", "data_efficiency",
                    "pipeline", "autotuning", "sparse_attention", "eigenvalue", "progressive_layer_drop",
-                   "curriculum_learning", "seq_parallel_communication_data_type", "graph_harvesting",
+                   "curriculum_learning", "graph_harvesting",
                    "dataloader_drop_last", "nebula", "hybrid_engine", "compile", "use_data_before_expert_parallelism",
                    "timers", "weight_quantization", "tensor_parallel", "disable_allgather")
 _AUTO_FILLED = ("the Hugging Face Trainer (and Accelerate) fill in only fp16.enabled, bf16.enabled, amp.enabled and "
@@ -86,38 +99,46 @@ def _resolve_enabled(r: _Reader, value: Any, key: str, trainer: str | None, want
     return trainer == wants
 
 
-def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str = "stable_interval",
-                   source: str | None = None, _locate: Callable[[tuple], int | None] | None = None) -> Conversion:
+def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str | None = None,
+                   release: str | None = None, source: str | None = None,
+                   _locate: Callable[[tuple], int | None] | None = None) -> Conversion:
     """A DeepSpeed config (the parsed JSON) -> Policy, reading ``fp16``, ``bf16``, ``torch_autocast``, ``amp``.
 
     - ``fp16``: ``loss_scale`` 0 is dynamic (``initial_scale_power`` default 16,
       ``loss_scale_window`` 1000, ``hysteresis`` 2, ``min_loss_scale`` 1, growth x2 / backoff x0.5,
       ``on_min_scale = "error"``: ZeRO's ``DynamicLossScaler`` raises at the minimum); > 0 is a
       static scale. Parameters are float32 master weights, the module (and its outputs) float16.
-    - ``bf16``: no loss scaling; ``check_grad_overflow`` is ``skip_nonfinite``.
+      Without ZeRO (FP16_Optimizer) there is no hysteresis and the minimum clamps.
+    - ``bf16`` (and float32): no loss scaling; ``skip_nonfinite`` is what the release does at the
+      config's ZeRO stage (``deepspeed_releases.skips``: ``check_grad_overflow`` only under ZeRO
+      1-2; 0.19.8 skips without ZeRO and under ZeRO 3 whatever it says).
     - ``torch_autocast``: ``torch.autocast`` over float32 parameters (float16 adds torch's
       GradScaler defaults); ``amp``: apex's ``opt_level`` O0-O3 and its overrides.
     - ``"auto"`` values are what the Hugging Face Trainer / Accelerate fill in at launch from their
       own precision flag: pass that flag as ``auto`` ("fp16", "bf16", "no", or a Lightning string).
       Without it, an ``"auto"`` ``enabled`` reads as false and is reported as a loss.
-    - ``release``: the growth timing of DeepSpeed's ``DynamicLossScaler`` changed. ampbridge's
-      reference matches ``"modulo"`` (microsoft/DeepSpeed 0336518 and earlier) exactly;
-      ``"stable_interval"`` (deepspeedai/DeepSpeed 18fd4c9 and later, the default) grows one step
-      later after each overflow, which is reported as a loss.
+    - ``version``: the DeepSpeed release to read for (default ``DEEPSPEED_VERSION``, 0.19.8).
+      ZeRO's ``DynamicLossScaler`` matches ampbridge's reference exactly up to 0.17.0; from 0.17.1
+      (PR 6976, e440506) it grows one step later after each overflow, reported as a loss.
+      ``release`` is the older switch: "modulo" reads as 0.17.0, "stable_interval" as 0.19.8.
+    - With ``auto`` given, a config with no ``fp16``/``bf16`` section gets the one Accelerate's
+      ``DeepSpeedPlugin.set_mixed_precision`` adds; one enabling the other dtype is an error, as
+      there.
 
     Example:
         >>> c = from_deepspeed({"fp16": {"enabled": True, "hysteresis": 2}, "zero_optimization": {"stage": 2}},
-        ...                    release="modulo")
+        ...                    version="0.17.0")
         >>> ls = c.result.loss_scale
         >>> c.result.compute_dtype, ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.on_min_scale, c.exact
         ('float16', 65536.0, 1000, 2, 'error', True)
     """
     r = _Reader("deepspeed", source, _locate)
-    if release not in DEEPSPEED_RELEASES:
-        raise ValueError(f"release={release!r}; accepted: {', '.join(DEEPSPEED_RELEASES)}")
+    version = _rel.resolve(version, release)
     if not isinstance(config, Mapping):
         raise PolicyError([Problem("a DeepSpeed config must be a JSON object", file=source, value=config)])
     trainer = trainer_dtype(auto) if auto is not None else None
+    if trainer in ("float16", "bfloat16"):
+        config = _accelerate_fill(r, config, trainer)
     for key in config:
         if key not in _DS_READ and key not in _DS_OTHER_KNOWN:
             close = difflib.get_close_matches(str(key), _DS_READ, n=1, cutoff=0.75)
@@ -159,6 +180,12 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
         r.note("amp.enabled = 'auto' read as false: the Hugging Face Trainer enables apex only with "
                "--fp16_backend apex")
         amp_enabled = False
+    if autocast_on and bf16_on and _dtype_name(str(autocast.get("dtype", "bf16"))) == "bfloat16":
+        # DeepSpeed runs both: the bf16 module (and optimizer) with torch.autocast(bfloat16) around the forward
+        autocast_on = False
+        r.loss("torch_autocast.enabled", True, "with bf16 also enabled, DeepSpeed runs torch.autocast(bfloat16) over "
+               "the bfloat16 module: autocast's float32 ops (softmax, norms, losses) run in float32; ampbridge pins "
+               "modules, not ops (read as bf16)")
     enabled = [name for name, on in (("fp16", fp16_on), ("bf16", bf16_on), ("torch_autocast", autocast_on),
                                      ("amp", amp_enabled)) if on]
     if len(enabled) > 1:
@@ -173,11 +200,22 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
     comm = config.get("communication_data_type")
     comm_dtype = None
     if comm is not None:
-        if isinstance(comm, str) and comm.lower() in ("fp32", "fp16", "bf16", "bfp16"):
+        if isinstance(comm, str) and comm.lower() in ("fp32", "fp16", "bf16"):
             comm_dtype = _dtype_name(comm)
         if comm_dtype is None:
             r.problem(("communication_data_type",), "not a DeepSpeed communication data type", value=comm,
                       accepted="fp32, fp16, bf16")
+    seq_comm = config.get("seq_parallel_communication_data_type")
+    if seq_comm is not None:
+        if not (isinstance(seq_comm, str) and seq_comm.lower() in ("fp32", "fp16", "bf16")):
+            r.problem(("seq_parallel_communication_data_type",), "not a DeepSpeed communication data type",
+                      value=seq_comm, accepted="fp32, fp16, bf16")
+        elif seq_comm.lower() != "fp32":
+            r.loss("seq_parallel_communication_data_type", seq_comm, "sequence-parallel all-to-alls in "
+                   f"{_dtype_name(seq_comm)}: ampbridge has no sequence-parallel communication dtype")
+    for key, what in _ZERO_QUANTIZED.items():
+        if zero.get(key) not in (None, False):
+            r.loss(f"zero_optimization.{key}", zero[key], f"{what}; ampbridge has no quantized communication")
     data_types = r.section(config, "data_types") or {}
     r.check_keys(data_types, ("grad_accum_dtype",), ("data_types",), "DeepSpeed's data_types section")
     if data_types.get("grad_accum_dtype") is not None:
@@ -186,10 +224,11 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
 
     fields: dict[str, Any] = {}
     ls: dict[str, Any] = {}
+    fp32_accum = _dtype_name(str(data_types.get("grad_accum_dtype"))) == "float32"
     if mode == "fp16":
-        fields, ls = _ds_fp16(r, fp16, stage, release)
+        fields, ls = _ds_fp16(r, fp16, stage, version)
     elif mode == "bf16":
-        fields, ls = _ds_bf16(r, bf16, bf16_path)
+        fields, ls = _ds_bf16(r, bf16, bf16_path, stage, version, fp32_accum)
     elif mode == "torch_autocast":
         fields, ls = _ds_autocast(r, autocast, stage)
     elif mode == "amp":
@@ -198,9 +237,13 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
             r.loss("zero_optimization.stage", stage, "DeepSpeed does not run apex amp with ZeRO")
     else:
         fields = {"compute_dtype": "float32", "param_dtype": "float32", "output_dtype": "float32"}
-        ls = {"mode": "none", "skip_nonfinite": False}
+        skip, why, unchecked = _rel.skips(version, "fp32", stage, None)
+        ls = {"mode": "none", "skip_nonfinite": skip}
         r.origins["compute_dtype"] = "fp16.enabled"
-        _origins_all_loss_scale(r, "fp16.enabled (float32: no loss scaling, no overflow check)")
+        _origins_all_loss_scale(r, "fp16.enabled (float32: no loss scaling)")
+        r.origins["loss_scale.skip_nonfinite"] = f"zero_optimization.stage ({why})"
+        if unchecked:
+            r.loss("zero_optimization.stage", stage, unchecked)
     default_reduce = {"fp16": "float16", "bf16": "bfloat16"}.get(mode or "", "float32")
     fields["reduce_dtype"] = comm_dtype or default_reduce
     r.origins["reduce_dtype"] = "communication_data_type" + (
@@ -209,7 +252,23 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, release: str 
     return r.done(policy, _ALL_BUT_MATMUL)
 
 
-def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> tuple[dict, dict]:
+def _accelerate_fill(r: _Reader, config: Mapping[str, Any], trainer: str) -> Mapping[str, Any]:
+    """What Accelerate's DeepSpeedPlugin.set_mixed_precision does to a config before DeepSpeed sees it."""
+    want, other = ("fp16", "bf16") if trainer == "float16" else ("bf16", "fp16")
+    section = config.get(other)
+    if isinstance(section, Mapping) and str(section.get("enabled", "False")).lower() == "true":
+        r.problem((other, "enabled"), f"the trainer's precision is {want} and this config enables {other}: Accelerate "
+                  f"raises (`--mixed_precision` arg cannot be set to `{want}` when `{other}` is set in the DeepSpeed "
+                  "config file)", value=section.get("enabled"), accepted=f"'auto' or false, or a {other} trainer")
+    if want in config or (want == "bf16" and "bfloat16" in config):
+        return config
+    added = {"enabled": True, "auto_cast": True} if want == "fp16" else {"enabled": True}
+    r.note(f"no {want} section: Accelerate's DeepSpeedPlugin.set_mixed_precision adds {want} = {added} for a "
+           f"{want} trainer (the Hugging Face Trainer goes through it too)")
+    return {**config, want: added}
+
+
+def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, version: str) -> tuple[dict, dict]:
     p = ("fp16",)
     master16 = _get_bool(r, fp16, "fp16_master_weights_and_grads", p, False)
     if _get_bool(r, fp16, "auto_cast", p, False):
@@ -239,6 +298,10 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> t
         power = 16
     window = _get_int(r, fp16, "loss_scale_window", p, 1000, low=1, what="an integer >= 1")
     hysteresis = _get_int(r, fp16, "hysteresis", p, 2, low=1, what="an integer >= 1")
+    if stage == 0:
+        if "hysteresis" in fp16 or "consecutive_hysteresis" in fp16:
+            r.note("fp16.hysteresis and consecutive_hysteresis have no effect without ZeRO (FP16_Optimizer)")
+        hysteresis = 1
     consecutive = _get_bool(r, fp16, "consecutive_hysteresis", p, False)
     min_scale = _get_number(r, fp16, "min_loss_scale", p, 1.0)
     r.origins.update({"loss_scale.initial_scale": "fp16.initial_scale_power",
@@ -249,17 +312,16 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> t
     on_min = "error"
     if stage == 0:
         on_min = "clamp"
-        r.loss("zero_optimization.stage", 0,
-               "without ZeRO, DeepSpeed scales the loss in FP16_Optimizer, whose growth test is stable_interval "
-               "in every release (its first growth after an overflow comes window + 1 finite steps later, "
-               "ampbridge's after window), which clamps at min_loss_scale instead of raising (read as "
-               "on_min_scale='clamp'), and which ignores hysteresis in older releases (microsoft/DeepSpeed 023f361)")
-    elif release == "stable_interval":
-        r.loss("fp16.loss_scale_window", window,
-               f"DeepSpeed's DynamicLossScaler in {_STABLE} grows one step later after every overflow (and at "
-               f"the start): its first growth comes after window + 1 finite steps, later ones every window. "
-               f"ampbridge grows after every window finite steps, as {_MODULO} does; pass release='modulo' "
-               "(ampbridge convert --deepspeed-release modulo) if you run that release")
+        r.note(_FP16_OPT_NOTE)
+        r.origins["loss_scale.hysteresis"] = "zero_optimization.stage (0: FP16_Optimizer has no hysteresis)"
+        r.loss("fp16.loss_scale_window", window, f"FP16_Optimizer (no ZeRO) grows one step later after each overflow "
+               f"and at the start: the scales part at step {window} of a clean run")
+        r.note(_GROWTH_NOTE)
+    elif _rel.grows_late(version):
+        r.loss("fp16.loss_scale_window", window, f"DeepSpeed {version}'s DynamicLossScaler grows one step later after "
+               f"each overflow and at the start: the scales part at step {window} of a clean run (exact up to "
+               "DeepSpeed 0.17.0: --deepspeed-version)")
+        r.note(_GROWTH_NOTE)
     r.note("DeepSpeed keeps its loss scale in a Python float, which may grow past float32's range; ampbridge's "
            "scale stops growing at float32's largest power of two. The two differ only once the scale passes "
            "2**127, which needs every gradient below 2**-111 for over a hundred growth windows")
@@ -269,7 +331,8 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, release: str) -> t
                     "skip_nonfinite": True}
 
 
-def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
+def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple, stage: int, version: str,
+             fp32_accum: bool) -> tuple[dict, dict]:
     master16 = _get_bool(r, bf16, "bf16_master_weights_and_grads", p, False)
     if "immediate_grad_update" in bf16:
         r.loss(f"{p[0]}.immediate_grad_update", bf16["immediate_grad_update"],
@@ -277,13 +340,20 @@ def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple) -> tuple[dict, dict]
                "gradients is not an ampbridge setting")
     if _get_bool(r, bf16, "bf16_optimizer_states", p, False):
         r.loss(f"{p[0]}.bf16_optimizer_states", True, "ampbridge has no optimizer-state dtype")
-    skip = _get_bool(r, bf16, "check_grad_overflow", p, False)
+    check = _get_bool(r, bf16, "check_grad_overflow", p, None)
+    skip, why, unchecked = _rel.skips(version, "bf16", stage, check, fp32_accum)
+    if unchecked:
+        r.loss("zero_optimization.stage", stage, unchecked)
+    if check is not None and bool(check) != skip:
+        r.note(f"{p[0]}.check_grad_overflow = {str(bool(check)).lower()} has no effect here: {why} "
+               f"(DeepSpeed {version})")
     r.origins.update(keep_float32=f"{p[0]}.enabled (casts the whole module)",
                      overrides=f"{p[0]}.enabled (casts the whole module)",
                      **{"loss_scale.mode": f"{p[0]}.enabled (no loss scaling in bf16)"})
     r.origins.update(compute_dtype=f"{p[0]}.enabled", output_dtype=f"{p[0]}.enabled",
                      param_dtype=f"{p[0]}.bf16_master_weights_and_grads",
-                     **{"loss_scale.skip_nonfinite": f"{p[0]}.check_grad_overflow"})
+                     **{"loss_scale.skip_nonfinite": f"zero_optimization.stage and {p[0]}.check_grad_overflow "
+                        f"({why})"})
     return ({"compute_dtype": "bfloat16", "param_dtype": "bfloat16" if master16 else "float32",
              "output_dtype": "bfloat16"}, {"mode": "none", "skip_nonfinite": skip})
 
@@ -326,18 +396,21 @@ def _ds_autocast(r: _Reader, ac: Mapping[str, Any], stage: int) -> tuple[dict, d
                     "growth_interval": 2000, "skip_nonfinite": True}
 
 
-def to_deepspeed(policy: Policy, *, via: str = "native", release: str = "stable_interval") -> Conversion:
+def to_deepspeed(policy: Policy, *, via: str = "native", version: str | None = None, release: str | None = None,
+                 stage: int | None = None) -> Conversion:
     """Policy -> the precision part of a DeepSpeed config (merge it into your ds_config.json).
 
     ``via``: ``"native"`` (DeepSpeed's own ``fp16``/``bf16`` modes, the default),
     ``"torch_autocast"`` (``torch.autocast`` over float32 parameters) or ``"amp"`` (apex).
-    ``release`` as in :func:`from_deepspeed`: with ``"stable_interval"`` the growth timing is a loss.
+    ``version`` / ``release`` as in :func:`from_deepspeed` (from 0.17.1 the growth timing is a loss).
+    ``stage``: the ZeRO stage the config will run with (None: any), which decides whether DeepSpeed
+    skips non-finite bf16 and float32 steps; a ``skip_nonfinite`` some stage cannot honour is a loss.
 
     Example:
         >>> import ampbridge
         >>> c = to_deepspeed(ampbridge.preset("float16").replace(loss_scale=ampbridge.LossScaleConfig(
         ...     mode="dynamic", growth_interval=1000, hysteresis=2, min_scale=1.0, on_min_scale="error")),
-        ...     release="modulo")
+        ...     version="0.17.0")
         >>> c.exact
         True
         >>> for key, value in c.result["fp16"].items(): print(key, value)
@@ -352,8 +425,9 @@ def to_deepspeed(policy: Policy, *, via: str = "native", release: str = "stable_
     """
     if via not in ("native", "torch_autocast", "amp"):
         raise ValueError(f"via={via!r}; accepted: native, torch_autocast, amp")
-    if release not in DEEPSPEED_RELEASES:
-        raise ValueError(f"release={release!r}; accepted: {', '.join(DEEPSPEED_RELEASES)}")
+    version = _rel.resolve(version, release)
+    if stage is not None and stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r}; accepted: 0, 1, 2, 3 or None")
     _require_concrete(policy, "DeepSpeed")
     w = _Writer("deepspeed", policy)
     p = policy
@@ -363,7 +437,7 @@ def to_deepspeed(policy: Policy, *, via: str = "native", release: str = "stable_
             w.note(f"float32 compute written as DeepSpeed's plain float32 mode (nothing for {via} to do)")
         w.common("DeepSpeed", pins_reason="DeepSpeed's fp16/bf16 modes cast the whole module; they cannot "
                  "keep layers in float32 (ampbridge's torch backend can)" if compute != "float32" else "")
-        return w.done(_ds_native(w, p, release))
+        return w.done(_ds_native(w, p, version, stage))
     if via == "torch_autocast":
         w.common("DeepSpeed", pins_reason="torch.autocast has per-op lists, not per-module pins")
         return w.done(_ds_autocast_out(w, p))
@@ -371,7 +445,17 @@ def to_deepspeed(policy: Policy, *, via: str = "native", release: str = "stable_
     return w.done(_apex_out(w, p))
 
 
-def _ds_native(w: _Writer, p: Policy, release: str) -> dict[str, Any]:
+def _skip_loss(w: _Writer, mode: str, want: bool, version: str, stage: int | None, check: bool | None) -> None:
+    """A loss naming the ZeRO stages whose DeepSpeed ``version`` does not do ``skip_nonfinite = want``."""
+    stages = (stage,) if stage is not None else (0, 1, 2, 3)
+    wrong = [z for z in stages if _rel.skips(version, mode, z, check)[0] != want]
+    if wrong:
+        names = ", ".join("no ZeRO" if z == 0 else f"ZeRO {z}" for z in wrong)
+        w.loss("loss_scale.skip_nonfinite", want, f"DeepSpeed {version} {'does not skip' if want else 'skips'} "
+               f"non-finite {mode} steps under {names} (--deepspeed-version; zero_optimization.stage decides)")
+
+
+def _ds_native(w: _Writer, p: Policy, version: str, stage: int | None = None) -> dict[str, Any]:
     compute = p.compute_dtype
     ls = p.resolved_loss_scale
     view = loss_scale_view(p.loss_scale, compute)
@@ -385,12 +469,13 @@ def _ds_native(w: _Writer, p: Policy, release: str) -> dict[str, Any]:
             w.loss("output_dtype", p.output_dtype, "DeepSpeed does not cast outputs: a float32 model returns float32")
         if view["mode"] != "none":
             w.loss("loss_scale.mode", ls.mode, "DeepSpeed scales the loss only in its fp16 mode")
-        if view["skip_nonfinite"]:
-            w.loss("loss_scale.skip_nonfinite", True, "DeepSpeed checks gradients for overflow only in its fp16 mode")
+        _skip_loss(w, "fp32", bool(view["skip_nonfinite"]), version, stage, None)
         default_reduce = "float32"
     elif compute == "float16":
         section: dict[str, Any] = {"enabled": True}
-        _ds_fp16_scale(w, ls, view, section, release)
+        _ds_fp16_scale(w, ls, view, section, version)
+        if stage == 0 and view["mode"] == "dynamic" and ls.hysteresis != 1:
+            w.loss("loss_scale.hysteresis", ls.hysteresis, "FP16_Optimizer (no ZeRO) has no hysteresis")
         if p.param_dtype == "float16":
             section["fp16_master_weights_and_grads"] = True
             w.note("fp16_master_weights_and_grads keeps float16 master weights; DeepSpeed allows it only with "
@@ -413,10 +498,11 @@ def _ds_native(w: _Writer, p: Policy, release: str) -> dict[str, Any]:
                    "outputs are bfloat16; cast them yourself")
         if view["mode"] != "none":
             w.loss("loss_scale.mode", ls.mode, "DeepSpeed's bf16 mode has no loss scaling")
-        if view["skip_nonfinite"]:
-            section["check_grad_overflow"] = True
-            w.note("bf16.check_grad_overflow (skip non-finite steps) exists in newer DeepSpeed releases "
-                   "(deepspeedai/DeepSpeed); older ones reject the key and never skip a bf16 step")
+        section["check_grad_overflow"] = bool(view["skip_nonfinite"])
+        _skip_loss(w, "bf16", bool(view["skip_nonfinite"]), version, stage, bool(view["skip_nonfinite"]))
+        if _rel.parse(version) < _rel.parse("0.19.2"):
+            w.note(f"bf16.check_grad_overflow is not a key of DeepSpeed {version}'s config (checked: 0.17.0 has "
+                   "none, 0.19.2 has it); drop it there")
         out["bf16"] = section
         default_reduce = "bfloat16"
     if p.reduce_dtype != default_reduce:
@@ -424,7 +510,7 @@ def _ds_native(w: _Writer, p: Policy, release: str) -> dict[str, Any]:
     return out
 
 
-def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], section: dict, release: str) -> None:
+def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], section: dict, version: str) -> None:
     if view["mode"] in ("none", "static"):
         section["loss_scale"] = _int_if_integral(f32(ls.initial_scale) if view["mode"] == "static" else 1.0)
         if view["mode"] == "none":
@@ -466,12 +552,12 @@ def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], sec
         w.loss("loss_scale.max_scale", ls.max_scale, "DeepSpeed's loss scale has no ceiling")
     if not ls.skip_nonfinite:
         w.loss("loss_scale.skip_nonfinite", False, "DeepSpeed always skips a step with non-finite gradients")
-    if release == "stable_interval":
-        w.loss("loss_scale.growth_interval", ls.growth_interval,
-               f"DeepSpeed's DynamicLossScaler in {_STABLE} grows one step later after every overflow (and at the "
-               f"start) than ampbridge, which matches {_MODULO}")
+    if _rel.grows_late(version):
+        w.loss("loss_scale.growth_interval", ls.growth_interval, f"DeepSpeed {version} grows one step later after "
+               f"each overflow and at the start: the scales part at step {ls.growth_interval} of a clean run")
+        w.note(_GROWTH_NOTE)
     w.note("the fp16 loss-scale settings are those of ZeRO's DynamicLossScaler (zero_optimization.stage >= 1); "
-           "without ZeRO, FP16_Optimizer grows one step later after each overflow and clamps at min_loss_scale")
+           + _FP16_OPT_NOTE)
 
 
 def _ds_autocast_out(w: _Writer, p: Policy) -> dict[str, Any]:

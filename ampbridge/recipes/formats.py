@@ -32,12 +32,13 @@ WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "
 # --- reading files and text; detecting the format -------------------------------------------------
 
 _READ_OPTIONS: dict[str, tuple[str, ...]] = {
-    "ampbridge": (), "deepspeed": ("auto", "release"), "accelerate": ("grad_scaler_kwargs", "base_dir", "release"),
-    "lightning": ("grad_scaler",), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
+    "ampbridge": (), "deepspeed": ("auto", "version", "release"),
+    "accelerate": ("grad_scaler_kwargs", "base_dir", "version", "release", "device"),
+    "lightning": ("grad_scaler", "device", "api"), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
     "flax": (),
 }
 _WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "ampbridge": (), "deepspeed": ("via", "release"), "accelerate": (), "lightning": (), "keras": (), "jmp": (),
+    "ampbridge": (), "deepspeed": ("via", "version", "release", "stage"), "accelerate": (), "lightning": (), "keras": (), "jmp": (),
     "grad-scaler": (), "flax": (), "fsdp": ("plan",),
 }
 _DS_MARKERS = {"fp16", "bf16", "bfloat16", "zero_optimization", "torch_autocast", "amp", "train_batch_size",
@@ -45,7 +46,7 @@ _DS_MARKERS = {"fp16", "bf16", "bfloat16", "zero_optimization", "torch_autocast"
                "optimizer", "scheduler", "gradient_clipping"}
 _ACCELERATE_MARKERS = {"mixed_precision", "compute_environment", "distributed_type"}
 _AMPBRIDGE_MARKERS = {"version", "extends", "compute_dtype", "param_dtype", "output_dtype", "reduce_dtype",
-                      "matmul_precision", "keep_float32", "override", "loss_scale", "phase"}
+                      "matmul_precision", "keep_float32", "override", "loss_scale", "phase", "kinds"}
 _SHARED_SCALER = {"growth_factor", "backoff_factor", "growth_interval", "scale"}
 
 

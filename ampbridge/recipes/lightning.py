@@ -35,7 +35,8 @@ _LIGHTNING_ALIASES: dict[Any, str] = {"32": "32-true", "16": "16-mixed", "bf16":
 _LIGHTNING_ALL = tuple(_LIGHTNING) + ("64-true", "transformer-engine", "transformer-engine-float16")
 
 
-def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = None) -> Conversion:
+def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = None, device: str | None = None,
+                   api: str | None = None) -> Conversion:
     """A Lightning ``precision`` ("16-mixed", "bf16-true", 16, "bf16", ...) -> Policy.
 
     "-mixed" runs ``torch.autocast`` over float32 parameters ("16-mixed" with a torch GradScaler,
@@ -43,6 +44,13 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
     ``MixedPrecision(..., scaler=GradScaler(**grad_scaler))``); "-true" casts the parameters
     (no loss scaling, nothing skipped). Fabric converts outputs to float32 in every mode.
     "64-true" and the "transformer-engine" (fp8) precisions raise UnsupportedOptionError.
+
+    ``api``: "fabric" or "trainer". Fabric converts outputs to float32 (``convert_output``), read
+    exactly; the Trainer returns ``training_step`` outputs as autocast leaves them (bfloat16 from a
+    final Linear under "bf16-mixed"), read as the compute dtype with a loss. Not given: read as
+    Fabric, and a "-mixed" precision reports the Trainer's difference as a loss on output_dtype.
+    ``device``: "cuda" (the default) or "cpu": Lightning 2.6 turns "16-mixed" on CPU into
+    "bf16-mixed" (Trainer and Fabric alike), read so.
 
     Example:
         >>> p = from_lightning(16).result
@@ -65,9 +73,37 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
                                      "float16 (the closest is 'bf16-mixed')")
     if name != precision:
         r.note(f"precision={precision!r} is Lightning's alias of {name!r}")
+    if api not in (None, "trainer", "fabric"):
+        raise ValueError(f"api={api!r}; accepted: trainer, fabric")
+    if device not in (None, "cuda", "cpu"):
+        raise ValueError(f"device={device!r}; accepted: cuda, cpu")
+    if name == "16-mixed" and device == "cpu":
+        if grad_scaler:
+            r.problem(("grad_scaler",), "on CPU Lightning runs '16-mixed' as 'bf16-mixed', without a GradScaler",
+                      value=dict(grad_scaler), accepted="no grad_scaler with device='cpu'")
+        name, grad_scaler = "bf16-mixed", None
+        r.note("precision '16-mixed' on CPU: Lightning 2.6 switches to 'bf16-mixed' (fp16 AMP is not supported on "
+               "CPU); read so")
+    elif name == "16-mixed":
+        r.note("read for CUDA: on CPU (accelerator='cpu') Lightning switches '16-mixed' to 'bf16-mixed'; pass "
+               "device='cpu' (--device cpu) for that")
     compute, param = _LIGHTNING[name]
+    output = "float32"
+    if api is None and name.endswith("-mixed"):
+        r.loss("output_dtype", "float32", f"Fabric converts outputs to float32; Lightning's Trainer does not under "
+               f"{name!r} ({compute} from a final Linear): pass api='fabric' or 'trainer' (--lightning-api)")
+    elif api == "trainer" and name.endswith("-mixed"):
+        output = compute
+        r.loss("output_dtype", compute, f"Lightning's Trainer does not convert training_step outputs under {name!r}: "
+               f"they come out in the dtype of the model's last op ({compute} for a final Linear, float32 after a "
+               "float32 op such as softmax); Fabric converts them to float32 (api='fabric')")
+    elif api == "trainer" and name.endswith("-true"):
+        output = compute
+        r.note(f"Lightning's Trainer returns {name!r} outputs in the model's dtype ({compute}); Fabric converts them "
+               "to float32 (api='fabric')")
     r.origins.update(compute_dtype="precision", param_dtype="precision",
-                     output_dtype="Fabric's convert_output (float32)", keep_float32="precision (no module pins)",
+                     output_dtype="Fabric's convert_output (float32)" if output == "float32" else
+                     "Lightning's Trainer (no output conversion)", keep_float32="precision (no module pins)",
                      overrides="precision (no module pins)")
     ls: dict[str, Any] = {"mode": "none", "skip_nonfinite": False}
     if name == "16-mixed":
@@ -78,7 +114,7 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
     if name != "16-mixed" or not grad_scaler:
         defaults = " (torch GradScaler's defaults)" if name == "16-mixed" else ""
         _origins_all_loss_scale(r, f"precision {name!r}{defaults}")
-    fields = {"compute_dtype": compute, "param_dtype": param, "output_dtype": "float32", "reduce_dtype": param}
+    fields = {"compute_dtype": compute, "param_dtype": param, "output_dtype": output, "reduce_dtype": param}
     policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
     return r.done(policy, _ALL_BUT_MATMUL)
 
@@ -106,7 +142,10 @@ def to_lightning(policy: Policy) -> Conversion:
         w.loss("param_dtype", p.param_dtype, f"Lightning stores parameters in float32 or the compute dtype; "
                f"written as {name!r}")
     if p.output_dtype != "float32":
-        w.loss("output_dtype", p.output_dtype, "Lightning (Fabric) converts outputs to float32 in every precision")
+        w.loss("output_dtype", p.output_dtype, "Fabric converts outputs to float32 in every precision; Lightning's "
+               "Trainer leaves them as the model's last op makes them")
+    elif p.compute_dtype != "float32":
+        w.note("output_dtype float32 is Fabric's (it converts outputs); Lightning's Trainer does not convert them")
     if p.reduce_dtype != _LIGHTNING[name][1]:
         w.loss("reduce_dtype", p.reduce_dtype, "under DDP Lightning reduces gradients in the parameter dtype")
     scaler = None

@@ -17,6 +17,7 @@ DS_FP16 = LossScaleConfig(mode="dynamic", initial_scale=65536.0, growth_factor=2
                           growth_interval=1000, hysteresis=2, consecutive_hysteresis=False, min_scale=1.0,
                           max_scale=None, on_min_scale="error", skip_nonfinite=True)
 NO_SCALING = LossScaleConfig(mode="none", skip_nonfinite=False)
+SKIPS = LossScaleConfig(mode="none", skip_nonfinite=True)  # bf16 in DeepSpeed 0.19.8: no scaling, NaN steps skipped
 TORCH_SCALER = LossScaleConfig(mode="dynamic", initial_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
                                growth_interval=2000, skip_nonfinite=True)
 
@@ -39,9 +40,39 @@ def test_hf_zero2_config_with_auto_filled_by_the_trainer():
 def test_hf_zero2_config_bf16_from_the_trainer():
     c = recipes.load(HERE / "ds_zero2_hf_auto.json", auto="bf16")
     assert c.result == Policy(compute_dtype="bfloat16", param_dtype="float32", output_dtype="bfloat16",
-                              reduce_dtype="bfloat16", loss_scale=NO_SCALING)
+                              reduce_dtype="bfloat16", loss_scale=SKIPS)  # check_grad_overflow: true from 0.19.3
     assert c.exact  # the fp16 keys do nothing when bf16 runs: noted, not lost
     assert any("have no effect: fp16 is not enabled" in n for n in c.notes)
+    older = recipes.load(HERE / "ds_zero2_hf_auto.json", auto="bf16", version="0.19.2")
+    assert older.result.loss_scale == NO_SCALING and older.exact  # ZeRO 2, check_grad_overflow absent: false
+
+
+def test_bf16_and_fp32_skipping_by_release_and_zero_stage():
+    """DeepSpeed 0.19.8: bf16 skips a NaN step at every stage unless check_grad_overflow is false, which
+    only ZeRO 1-2 honour; float32 skips under ZeRO 1-3. 0.19.2 skips only where its optimizers check."""
+    def skip(mode, stage, check=None, version=None):
+        cfg = {"zero_optimization": {"stage": stage}}
+        if mode == "bf16":
+            cfg["bf16"] = {"enabled": True, **({} if check is None else {"check_grad_overflow": check})}
+        return recipes.from_deepspeed(cfg, version=version).result.loss_scale.skip_nonfinite
+
+    assert [skip("bf16", z) for z in range(4)] == [True] * 4
+    assert [skip("bf16", z, check=False) for z in range(4)] == [True, False, False, True]
+    assert [skip("fp32", z) for z in range(4)] == [False, True, True, True]
+    assert [skip("bf16", z, version="0.19.2") for z in range(4)] == [True, False, False, False]
+    assert [skip("bf16", z, check=True, version="0.19.2") for z in range(4)] == [True, True, True, False]
+    assert [skip("fp32", z, version="0.19.2") for z in range(4)] == [False] * 4
+    unchecked = recipes.from_deepspeed({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, version="0.19.5")
+    assert settings(unchecked) == ["zero_optimization.stage"] and "0.19.4-0.19.7" in unchecked.losses[0].reason
+    # the writer says check_grad_overflow explicitly, and which stages cannot honour the policy
+    import ampbridge
+
+    no_skip = ampbridge.preset("mixed_bfloat16").replace(output_dtype="bfloat16", reduce_dtype="bfloat16",
+                                                         loss_scale=LossScaleConfig(skip_nonfinite=False))
+    out = recipes.to_deepspeed(no_skip)
+    assert out.result["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert settings(out) == ["loss_scale.skip_nonfinite"] and "no ZeRO, ZeRO 3" in out.losses[0].reason
+    assert recipes.to_deepspeed(no_skip, stage=2).exact
 
 
 def test_auto_without_a_trainer_is_a_loss_not_a_guess():
@@ -59,7 +90,10 @@ def test_ds_fp16_dynamic_as_deepspeed_documents_it():
     current = recipes.load(HERE / "ds_fp16_dynamic.json")  # default: today's release
     assert current.result == modulo.result
     assert settings(current) == ["fp16.loss_scale_window"]
-    assert "one step later" in current.losses[0].reason and "0336518" in current.losses[0].reason
+    assert "one step later" in current.losses[0].reason and "step 1000" in current.losses[0].reason
+    assert sum("e440506" in n for n in current.notes) == 1  # the long explanation once, as a note
+    assert recipes.load(HERE / "ds_fp16_dynamic.json", version="0.17.0").exact
+    assert not recipes.load(HERE / "ds_fp16_dynamic.json", version="0.17.1").exact
 
 
 def test_ds_static_scale():
@@ -72,7 +106,7 @@ def test_ds_static_scale():
 def test_ds_bf16_zero3_with_fp32_communication():
     c = recipes.load(HERE / "ds_bf16_zero3.json")
     assert c.result == Policy(compute_dtype="bfloat16", param_dtype="float32", output_dtype="bfloat16",
-                              reduce_dtype="float32", loss_scale=NO_SCALING)
+                              reduce_dtype="float32", loss_scale=SKIPS)
     assert c.exact
 
 
@@ -104,9 +138,10 @@ def test_ds_apex_o2_keeps_batchnorm_in_float32():
 
 
 def test_ds_stage_0_uses_fp16_optimizer_semantics():
-    c = recipes.from_deepspeed({"fp16": {"enabled": True}}, release="modulo")
+    c = recipes.from_deepspeed({"fp16": {"enabled": True, "hysteresis": 4}}, release="modulo")
     assert c.result.loss_scale.on_min_scale == "clamp"
-    assert settings(c) == ["zero_optimization.stage"]
+    assert c.result.loss_scale.hysteresis == 1  # FP16_Optimizer has none, in every release
+    assert settings(c) == ["fp16.loss_scale_window"]  # its growth test is stable_interval in every release
 
 
 def test_ds_bad_and_unknown_keys_name_the_key(tmp_path):
@@ -186,7 +221,7 @@ def test_accelerate_deepspeed_reads_the_deepspeed_file_with_auto_filled():
     c = recipes.load(HERE / "accelerate_deepspeed.yaml")
     assert c.source_format == "accelerate"
     assert c.result == Policy(compute_dtype="bfloat16", output_dtype="bfloat16", reduce_dtype="bfloat16",
-                              loss_scale=NO_SCALING)
+                              loss_scale=SKIPS)
     assert any("ds_zero2_hf_auto.json" in n for n in c.notes)
     plugin_only = recipes.from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": "fp16",
                                            "deepspeed_config": {"zero_stage": 2}})
@@ -228,10 +263,16 @@ def test_accelerate_export():
     ("bf16-true", "bfloat16", "bfloat16", NO_SCALING), ("16-true", "float16", "float16", NO_SCALING),
 ])
 def test_lightning_precisions(precision, compute, param, scaling):
-    c = recipes.from_lightning(precision)
+    c = recipes.from_lightning(precision, api="fabric")
     assert c.result == Policy(compute_dtype=compute, param_dtype=param, output_dtype="float32", reduce_dtype=param,
                               loss_scale=scaling)
     assert c.exact
+    mixed = str(_LIGHTNING_ALIASES.get(precision, precision)).endswith("-mixed")
+    trainer = recipes.from_lightning(precision, api="trainer")  # the Trainer does not convert outputs
+    assert trainer.result == c.result.replace(output_dtype=compute)
+    assert [loss.setting for loss in trainer.losses] == (["output_dtype"] if mixed else [])
+    unsaid = recipes.from_lightning(precision)  # read as Fabric; a mixed precision says the Trainer differs
+    assert unsaid.result == c.result and [loss.setting for loss in unsaid.losses] == (["output_dtype"] if mixed else [])
     back = recipes.to_lightning(c.result)
     assert back.exact and back.result["precision"] == _LIGHTNING_ALIASES.get(precision, precision)
 
@@ -453,3 +494,49 @@ def test_recipes_import_no_framework():
             "'accelerate', 'lightning', 'numpy') if m in sys.modules))" % str(HERE / "ds_zero2_hf_auto.json"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+# --- configs the tools accept, read; keys that change numerics, named ----------------------------------
+
+def test_ds_configs_the_tool_accepts_are_read_and_ignored_keys_are_named():
+    # bf16 with torch_autocast: DeepSpeed 0.19.8 trains it (autocast over the bf16 module)
+    both = recipes.from_deepspeed({"bf16": {"enabled": True}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+                                   "zero_optimization": {"stage": 3}})
+    assert both.result.compute_dtype == "bfloat16" and settings(both) == ["torch_autocast.enabled"]
+    # DeepSpeed refuses "bfp16" (get_communication_data_type accepts fp16, bf16, fp32)
+    with pytest.raises(PolicyError, match="communication_data_type: not a DeepSpeed communication data type"):
+        recipes.from_deepspeed({"bf16": {"enabled": True}, "communication_data_type": "bfp16"})
+    quantized = recipes.from_deepspeed({"bf16": {"enabled": True}, "seq_parallel_communication_data_type": "bf16",
+                                        "zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                              "zero_quantized_weights": True}})
+    assert settings(quantized) == ["seq_parallel_communication_data_type", "zero_optimization.zero_quantized_gradients",
+                                   "zero_optimization.zero_quantized_weights"]
+    assert recipes.from_deepspeed({"seq_parallel_communication_data_type": "fp32"}).exact
+
+
+def test_accelerate_fills_the_missing_precision_section_as_deepspeedplugin_does():
+    # transformers' ds_config_zero2.json style: no bf16 section at all; Accelerate adds {"bf16": {"enabled": true}}
+    c = recipes.from_deepspeed({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"}, auto="bf16")
+    assert c.result.compute_dtype == "bfloat16" and any("set_mixed_precision adds bf16" in n for n in c.notes)
+    fp16 = recipes.from_deepspeed({"zero_optimization": {"stage": 2}}, auto="fp16", version="0.17.0")
+    assert fp16.result.loss_scale == DS_FP16 and fp16.exact
+    with pytest.raises(PolicyError, match="Accelerate raises"):
+        recipes.from_deepspeed({"fp16": {"enabled": True}}, auto="bf16")
+    assert recipes.from_deepspeed({"zero_optimization": {"stage": 2}}, auto="no").result.compute_dtype == "float32"
+
+
+def test_accelerate_unquoted_no_parallelism_config_and_cpu():
+    c = recipes.from_accelerate({"distributed_type": False, "mixed_precision": "bf16",
+                                 "parallelism_config": {"parallelism_config_tp_size": 1}})
+    assert c.result.compute_dtype == "bfloat16" and c.exact
+    assert any("YAML 1.1's false; read as 'NO'" in n for n in c.notes)
+    cpu = recipes.from_accelerate({"mixed_precision": "fp16"}, device="cpu")  # no autocast, no scaler on CPU
+    assert cpu.result == Policy(loss_scale=NO_SCALING) and cpu.exact
+    assert recipes.from_accelerate({"mixed_precision": "fp16", "use_cpu": True}).result.compute_dtype == "float32"
+
+
+def test_grad_scaler_factors_torch_applies_as_doubles_are_a_loss_naming_where_they_part():
+    c = recipes.from_accelerate({"mixed_precision": "fp16"}, grad_scaler_kwargs={"growth_factor": 1.1})
+    assert settings(c) == ["grad_scaler_kwargs.growth_factor"]
+    assert "growth number 7 (127711.1328125 in torch, 127711.140625 here)" in c.losses[0].reason
+    assert recipes.from_grad_scaler({"growth_factor": 1.5, "backoff_factor": 0.25}).exact  # float32 numbers

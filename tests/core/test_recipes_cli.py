@@ -135,6 +135,28 @@ def test_check_with_auto_and_format_prefixes(capsys):
                          HERE / "accelerate_fsdp_bf16.yaml", f"deepspeed:{HERE / 'ds_zero2_hf_auto.json'}",
                          "lightning:bf16-mixed")
     assert code == 1 and "Traceback" not in err
-    assert "(deepspeed): 3 disagreements" in out and "compute_dtype" not in out
+    # output and reduce dtype; skip_nonfinite agrees: DeepSpeed 0.19.8's ZeRO 2 skips non-finite bf16 steps
+    assert "(deepspeed): 2 disagreements" in out and "compute_dtype" not in out
     code, out, err = run(capsys, "check", "mixed_float16", "--against", f"deepspeed:{HERE / 'ds_zero2_hf_auto.json'}")
     assert code == 1 and "'auto' filled with float16" in err  # no trainer given: the policy's own dtype
+
+
+def test_deepspeed_version_and_the_old_release_switch(capsys):
+    ds = HERE / "ds_fp16_dynamic.json"
+    code, out, err = run(capsys, "convert", ds, "--strict")
+    assert code == 1 and "lost: fp16.loss_scale_window = 1000: DeepSpeed 0.19.8's" in err
+    assert err.count("PR 6976") == 1  # the long explanation once per conversion
+    for option in (["--deepspeed-version", "0.17.0"], ["--deepspeed-release", "modulo"]):
+        code, out, err = run(capsys, "convert", ds, "--strict", *option)
+        assert code == 0 and "lost:" not in err, err
+    code, out, err = run(capsys, "convert", ds, "--deepspeed-version", "0.17.0", "--deepspeed-release",
+                         "stable_interval")
+    assert code == 2 and "contradicts" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:  # argparse: exit 2 with a one-line message
+        run(capsys, "convert", ds, "--deepspeed-version", "latest")
+    assert e.value.code == 2 and "expected a release number" in capsys.readouterr().err
+
+
+def test_device_cpu_reads_what_the_tools_do_there(capsys):
+    code, out, err = run(capsys, "convert", "lightning:16-mixed", "--device", "cpu", "--lightning-api", "fabric")
+    assert code == 0 and 'compute_dtype = "bfloat16"' in out and "switches to 'bf16-mixed'" in err

@@ -1,8 +1,10 @@
 """A converted DeepSpeed recipe, run through the core reference, follows DeepSpeed's own scaler.
 
 The oracle is DeepSpeed's ``DynamicLossScaler.update_scale`` transcribed
-(``ampbridge._testing.DeepSpeedDynamicLossScaler``) in its two growth tests: the modulo release
-the conversion matches, and the stable_interval release it reports as a loss.
+(``ampbridge._testing.DeepSpeedDynamicLossScaler``) in its two growth tests: the modulo one of
+DeepSpeed 0.17.0 and earlier, which the conversion matches, and the stable_interval one of 0.17.1
+and later (PR 6976, e440506), which it reports as a loss. The installed 0.19.8's own scaler is
+driven in tests/backend_torch/test_recipes_real_tools.py.
 """
 
 import json
