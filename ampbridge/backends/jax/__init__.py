@@ -8,10 +8,12 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
   ``dtype``/``param_dtype`` attributes (so Flax's ``promote_dtype`` agrees) and casts its outputs
   to the row's output dtype. Parameters are cast per module path inside ``apply``, i.e. inside the
   function you differentiate, so gradients arrive in the stored (``param_dtype``) parameters.
-  Mutable collections (``batch_stats``) stay float32.
+  Mutable collections keep the dtypes their modules created them in (``batch_stats`` float32,
+  a ``decode=True`` cache the compute dtype).
 - :func:`apply` on a ``flax.nnx.Module`` returns a copy whose modules follow the Plan: parameters
-  stored in the row's ``param_dtype``, ``dtype`` attributes set, and every module's ``__call__``
-  casting its inputs, its own parameters and its outputs.
+  stored in the row's ``param_dtype``, ``dtype`` attributes set, and every public method of each
+  module with a ``__call__`` (``attend``, ``encode``, ``init_cache``, ...) casting its inputs, its
+  own parameters and its outputs; its ``nnx.Cache`` variables are held in its compute dtype.
 - :func:`cast` (and ``cast_to_compute``/``cast_to_param``/``cast_to_output``) for plain pytrees
   (equinox, haiku): floating leaves only; ints, bools and non-arrays pass through.
 - :func:`optimizer` wraps any optax transformation with the reference loss-scale algorithm
@@ -20,7 +22,9 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
   ``jnp``/``lax`` on pytree state with static settings: no host sync, no Python branch on a
   traced value, no host callback unless you ask for one (``host_callback=True``).
 - :func:`scale_loss`, :func:`loss_scale`, :func:`check` find the loss-scale state anywhere in an
-  optax state (chains, ``MultiSteps``, ``nnx.Optimizer``).
+  optax state (chains, ``MultiSteps``, ``nnx.Optimizer``); :func:`value_and_grad` scales the loss
+  for you (``jax.value_and_grad`` style); :func:`skipped` and :func:`rollback` keep any other state
+  (``batch_stats``) as it was on a skipped step.
 - :func:`plan` / :func:`owns` for ``ampbridge.plan(module, policy, *example_inputs)``.
 - :class:`Schedule`: precision phases (``[[phase]]``), one jitted step per phase.
 
@@ -65,12 +69,16 @@ from .loss_scale import (  # noqa: E402
     next_loss_scale,
     optimizer,
     reset_loss_scale,
+    rollback,
     scale_loss,
+    skipped,
     unscale,
+    value_and_grad,
 )
 from .monitor import Monitor, Numerics, numerics  # noqa: E402
 from .plan import plan  # noqa: E402
 from .schedule import Schedule  # noqa: E402
+from .layers import register_kind  # noqa: E402
 
 __all__ = [
     "Applied",
@@ -95,10 +103,14 @@ __all__ = [
     "optimizer",
     "owns",
     "plan",
+    "register_kind",
     "reset_loss_scale",
     "resolve_policy",
+    "rollback",
     "scale_loss",
+    "skipped",
     "unscale",
+    "value_and_grad",
 ]
 
 #: doctest.testmod(ampbridge.jax) looks only at names defined in that module: this hands it the

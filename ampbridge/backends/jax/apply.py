@@ -27,7 +27,7 @@ from .linen import (
     _LinenInterceptor,
     _needs_classes,
     _param_paths,
-    _state_to_float32,
+    _keep_state_dtypes,
     _trace_state,
 )
 from .nnx import _apply_nnx
@@ -116,7 +116,13 @@ class Applied:
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
               mutable: Any = False, **kwargs: Any) -> Any:
-        """``module.apply`` following the Plan; outputs in ``output_dtype``."""
+        """``module.apply`` following the Plan; outputs in ``output_dtype``.
+
+        With ``mutable``, the updated collections come back as the module made them: each leaf that
+        came in keeps the dtype it came in with, a new one the dtype its module created it in
+        (``batch_stats`` float32, a ``decode=True`` cache the compute dtype of the keys it holds).
+        """
+        before = variables
         variables = self._compute_variables(variables, args, kwargs, rngs=rngs, method=method,
                                             mutable=mutable)
         with self._scope(self._interceptor()):
@@ -125,7 +131,7 @@ class Applied:
         out_dtype = _DTYPES[self.policy.output_dtype]
         if mutable is not False:
             out, state = result
-            return _cast_tree(out, out_dtype), _state_to_float32(state)
+            return _cast_tree(out, out_dtype), _keep_state_dtypes(state, before)
         return _cast_tree(result, out_dtype)
 
     __call__ = apply
@@ -200,7 +206,7 @@ class Applied:
 
     @gc_paused()
     def cast_params(self, variables: Any, *example_inputs: Any, **kwargs: Any) -> Any:
-        """Variables with every parameter in its row's ``param_dtype`` and mutable state float32.
+        """Variables with every parameter in its row's ``param_dtype``; other collections as they are.
 
         Use it on a float32 checkpoint, or at a phase boundary where ``param_dtype`` changes. The
         module tree is known once ``init``/``apply``/``plan`` ran; otherwise pass example inputs
@@ -208,7 +214,7 @@ class Applied:
         """
         if not isinstance(variables, Mapping):
             return variables
-        out = dict(_state_to_float32(variables))
+        out = dict(variables)  # batch_stats, caches: the dtypes their modules created them in
         if "params" in variables:
             params = variables["params"]
             paths = _param_paths(params)

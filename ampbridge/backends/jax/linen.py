@@ -2,7 +2,7 @@
 planning memo (a repeated leaf call traced once), and the linen Plan.
 
 Holds: Observed, _LinenInterceptor, _linen_plan, _linen_chain, _attributes, _call_key, _Memo,
-_own_param_counts, _param_paths, _state_to_float32, _needs_classes, _is_frozen, _trace_state.
+_own_param_counts, _param_paths, _keep_state_dtypes, _needs_classes, _is_frozen, _trace_state.
 """
 
 from __future__ import annotations
@@ -256,12 +256,28 @@ def _param_paths(params: Any) -> set[str]:
     return set(_own_param_counts(params))
 
 
-def _state_to_float32(collections: Any) -> Any:
-    """Mutable collections (batch_stats, ...) stay float32; sown intermediates stay as computed."""
-    if not isinstance(collections, Mapping):
-        return collections
-    return {name: (value if name in ("params", "intermediates") else _cast_tree(value, _DTYPES["float32"]))
-            for name, value in collections.items()}
+def _keep_state_dtypes(state: Any, before: Any) -> Any:
+    """Mutable collections as the module made them: a leaf that came in (``before``) goes out in the
+    dtype it came in with, a new one (created by this call) in the dtype its module created it in.
+
+    So a state's dtypes stay fixed from step to step (a ``lax.scan``/``fori_loop`` carry, a jitted
+    step's signature): Flax's BatchNorm keeps float32 ``batch_stats``, a decode cache holds the
+    keys' compute dtype (Flax creates it from them), and nothing is cast to what it was not made in.
+    """
+    if not isinstance(state, Mapping) or not isinstance(before, Mapping):
+        return state
+
+    def keep(new: Any, old: Any) -> Any:
+        if isinstance(new, Mapping):
+            if not isinstance(old, Mapping):
+                return new
+            return type(new)({k: keep(v, old[k]) if k in old else v for k, v in new.items()})
+        if _is_float_array(new) and _is_float_array(old) and new.dtype != old.dtype:
+            return new.astype(old.dtype)
+        return new
+
+    return {name: keep(value, before[name]) if name in before and name not in ("params", "intermediates")
+            else value for name, value in state.items()}
 
 
 def _needs_classes(policy: Policy) -> bool:

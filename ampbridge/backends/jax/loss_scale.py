@@ -2,7 +2,8 @@
 ``jnp`` (jit- and scan-safe, no host sync), and the helpers that find its state in any optax state.
 
 Holds: LossScaleState, AmpState, optimizer, loss_scale, scale_loss, unscale, check,
-next_loss_scale, initial_loss_scale, reset_loss_scale, enter_phase, _advance, _mul_exact.
+next_loss_scale, initial_loss_scale, reset_loss_scale, enter_phase, value_and_grad, skipped, rollback,
+_advance, _mul_exact.
 """
 
 from __future__ import annotations
@@ -419,3 +420,77 @@ def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConf
         return x._replace(loss_scale=LossScaleState.from_reference(after, hits))
 
     return jax.tree_util.tree_map(move, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
+
+
+def value_and_grad(fun: Callable[..., Any], opt_state: Any, *, argnums: int | tuple[int, ...] = 0,
+                   has_aux: bool = False) -> Callable[..., tuple[Any, Any]]:
+    """``jax.value_and_grad`` of a loss-scaled ``fun``, the loss-scale state read from ``opt_state``.
+
+    ``value_and_grad(loss_fn, opt_state)(params, *args)`` returns ``(loss, grads)`` as
+    ``jax.value_and_grad(loss_fn)`` does, but differentiates ``loss * scale`` (:func:`scale_loss`,
+    float32) and hands back the plain ``loss`` (and ``aux`` with ``has_aux``), so ``loss_fn`` needs
+    no ``opt_state``. ``grads`` are those of the scaled loss: what ``tx.update`` of
+    :func:`optimizer` takes (it unscales them in float32, checks them and skips or steps; one place
+    unscales). ``unscale(grads, opt_state)`` gives the true gradients for logging. ``opt_state``
+    is any optimizer state holding the loss-scale state (a chain, ``MultiSteps``, an
+    ``nnx.Optimizer``); when the differentiated argument is an ``nnx.Module`` this is
+    ``nnx.value_and_grad``. The existing ``scale_loss`` inside your own ``jax.grad`` stays.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, ampbridge
+        >>> tx = optimizer(optax.sgd(0.5), ampbridge.Policy(loss_scale={"mode": "static", "initial_scale": 8.0}))
+        >>> params = {"w": jnp.ones(2)}
+        >>> opt_state = tx.init(params)
+        >>> loss, grads = value_and_grad(lambda p, x: jnp.sum(p["w"] * x), opt_state)(params, jnp.ones(2))
+        >>> float(loss), grads["w"]          # the loss as computed; gradients of loss * 8
+        (2.0, Array([8., 8.], dtype=float32))
+        >>> updates, opt_state = tx.update(grads, opt_state, params)
+        >>> updates["w"]
+        Array([-0.5, -0.5], dtype=float32)
+    """
+    def scaled(*args: Any) -> tuple[jax.Array, Any]:
+        out = fun(*args)
+        loss, aux = out if has_aux else (out, None)
+        return scale_loss(loss, opt_state), (loss, aux)
+
+    def run(*args: Any) -> tuple[Any, Any]:
+        nnx = sys.modules.get("flax.nnx")
+        first = args[argnums if isinstance(argnums, int) else argnums[0]] if args else None
+        grad = nnx.value_and_grad if nnx is not None and isinstance(first, nnx.Module) else jax.value_and_grad
+        (_, (loss, aux)), grads = grad(scaled, argnums=argnums, has_aux=True)(*args)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return run
+
+
+def skipped(opt_state: Any, previous: Any) -> jax.Array:
+    """Whether the optimizer update that turned ``previous`` into ``opt_state`` was skipped (a bool
+    array; jit-safe, no host sync).
+
+    Read from the loss-scale states: a skipped non-finite step counts in ``skipped``; a step
+    ``on_min_scale = "error"`` stopped leaves the state frozen (``steps`` unchanged). Either may
+    be an optimizer state, an ``nnx.Optimizer`` or a :class:`LossScaleState` (for an
+    ``nnx.Optimizer``, which changes in place, keep ``loss_scale(optimizer)`` from before).
+    """
+    after, before = loss_scale(opt_state), loss_scale(previous)
+    return (after.skipped != before.skipped) | (after.steps == before.steps)
+
+
+def rollback(new: Any, old: Any, opt_state: Any, previous: Any) -> Any:
+    """``old`` where the update from ``previous`` to ``opt_state`` was skipped, else ``new``: one line
+    to keep any state (``batch_stats``, an EMA, a step counter, the params themselves) as it was
+    on a skipped step, bit for bit (a select, ``jnp.where``; no host sync).
+
+    ``new`` and ``old`` are pytrees of the same structure (``nnx.State`` included).
+
+    Example:
+        >>> import jax.numpy as jnp, optax, ampbridge
+        >>> tx = optimizer(optax.sgd(0.1), ampbridge.preset("mixed_float16"))
+        >>> opt_state = tx.init({"w": jnp.ones(1)})
+        >>> _, after = tx.update({"w": jnp.array([jnp.inf])}, opt_state)
+        >>> stats = rollback({"mean": jnp.ones(1)}, {"mean": jnp.zeros(1)}, after, opt_state)
+        >>> bool(skipped(after, opt_state)), stats["mean"]
+        (True, Array([0.], dtype=float32))
+    """
+    take_old = skipped(opt_state, previous)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(take_old, b, a), new, old)

@@ -95,10 +95,12 @@ _NNX_SUBCLASSES: dict[type, type] = {}
 _NNX_LOCK = threading.Lock()
 
 
-def _own_variables(module: Any) -> list[Any]:
-    """The Params a module's own ``__call__`` reads: its attributes, through containers and
-    non-callable modules (``nnx.List``), but not through callable submodules (they cast their own)."""
+def _own_variables(module: Any, kind: Any = None) -> list[Any]:
+    """The Params (or other ``kind`` of Variable) a module's own methods read: its attributes,
+    through containers and non-callable modules (``nnx.List``), but not through callable
+    submodules (they cast their own)."""
     nnx = _nnx()
+    kind = nnx.Param if kind is None else kind
     out: list[Any] = []
     seen: set[int] = set()
 
@@ -106,7 +108,7 @@ def _own_variables(module: Any) -> list[Any]:
         if id(value) in seen:
             return
         seen.add(id(value))
-        if isinstance(value, nnx.Param):
+        if isinstance(value, kind):
             out.append(value)
         elif isinstance(value, nnx.Module):
             if not top and _is_callable_module(value):
@@ -129,42 +131,91 @@ def _is_callable_module(module: Any) -> bool:
     return any("__call__" in vars(cls) for cls in type(module).__mro__ if cls is not object)
 
 
+#: methods Flax itself calls on every module (``nnx.view``): not the model's computation
+_NNX_HOOKS = frozenset({"set_view"})
+
+
+def _nnx_methods(cls: type) -> tuple[str, ...]:
+    """The methods of ``cls`` that compute with the module: ``__call__`` and every public plain
+    function defined by a class of its own (not by ``nnx.Module`` and its bases), e.g. Gemma's
+    ``attend``, a model's ``encode``/``decode``, attention's ``init_cache``."""
+    base = set(_nnx().Module.__mro__)
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        if klass in base:
+            continue
+        for name, value in vars(klass).items():
+            if (name == "__call__" or not name.startswith("_")) and name not in _NNX_HOOKS \
+                    and type(value) is type(_nnx_methods):  # plain functions only (no property, classmethod)
+                names.setdefault(name, None)
+    return tuple(names)
+
+
+_ACTIVE = threading.local()  # ids of the modules whose wrapped method is running (this thread)
+
+
+def _cast_caches(module: Any, compute: Any) -> None:
+    """A module's own floating ``nnx.Cache`` variables into its compute dtype (the decode-cache rule:
+    the keys written into a cache are in the compute dtype; ``init_cache`` creates float32)."""
+    for var in _own_variables(module, _nnx().Cache):
+        value = var.get_value()
+        if _is_float_array(value) and value.dtype != compute:
+            var.set_value(value.astype(compute))
+
+
+def _wrap_method(name: str, original: Callable) -> Callable:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        active = getattr(_ACTIVE, "ids", None)
+        if active is None:
+            active = _ACTIVE.ids = set()
+        compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
+        compute = _DTYPES[compute_name]
+        args, kwargs = _cast_tree((args, kwargs), compute)
+        if id(self) in active:  # one of its own methods calling another: parameters already cast
+            out = _cast_tree(original(self, *args, **kwargs), _DTYPES[output_name])
+            return out if final_name is None else _cast_tree(out, _DTYPES[final_name])
+        watch = _watched(key, path)
+        if watch is not None and watch[1]:
+            args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
+        own = [v for v in _own_variables(self) if _is_float_array(v.get_value())
+               and v.get_value().dtype != compute]
+        stored = [v.get_value() for v in own]
+        for var, value in zip(own, stored):
+            var.set_value(value.astype(compute))  # traced: gradients flow to the stored value
+        _cast_caches(self, compute)
+        active.add(id(self))
+        try:
+            # the module's name in the trace (as linen's named calls give), for profiles and tests
+            with jax.default_matmul_precision(precision), jax.named_scope(scope):
+                out = original(self, *args, **kwargs)
+        finally:
+            active.discard(id(self))
+            for var, value in zip(own, stored):
+                var.set_value(value)
+        _cast_caches(self, compute)
+        out = _cast_tree(out, _DTYPES[output_name])
+        if final_name is not None:
+            out = _cast_tree(out, _DTYPES[final_name])
+        if watch is not None:
+            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
+        return out
+
+    method.__name__ = name
+    method.__qualname__ = getattr(original, "__qualname__", name)
+    method.__doc__ = original.__doc__
+    return method
+
+
 def _nnx_subclass(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` follows the row stored on the instance."""
+    """A subclass of ``cls`` whose methods (:func:`_nnx_methods`) follow the row stored on the
+    instance: inputs, the parameters it owns and its caches in the compute dtype, outputs in the
+    row's output dtype."""
     with _NNX_LOCK:
         hit = _NNX_SUBCLASSES.get(cls)
         if hit is not None:
             return hit
-        original_call = cls.__call__
-
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
-            compute = _DTYPES[compute_name]
-            args, kwargs = _cast_tree((args, kwargs), compute)
-            watch = _watched(key, path)
-            if watch is not None and watch[1]:
-                args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
-            own = [v for v in _own_variables(self) if _is_float_array(v.get_value())
-                   and v.get_value().dtype != compute]
-            stored = [v.get_value() for v in own]
-            for var, value in zip(own, stored):
-                var.set_value(value.astype(compute))  # traced: gradients flow to the stored value
-            try:
-                # the module's name in the trace (as linen's named calls give), for profiles and tests
-                with jax.default_matmul_precision(precision), jax.named_scope(scope):
-                    out = original_call(self, *args, **kwargs)
-            finally:
-                for var, value in zip(own, stored):
-                    var.set_value(value)
-            out = _cast_tree(out, _DTYPES[output_name])
-            if final_name is not None:
-                out = _cast_tree(out, _DTYPES[final_name])
-            if watch is not None:
-                out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
-            return out
-
-        __call__.__doc__ = original_call.__doc__
-        sub = type(cls.__name__, (cls,), {"__call__": __call__, "_ampbridge_original": cls,
+        methods = {name: _wrap_method(name, getattr(cls, name)) for name in _nnx_methods(cls)}
+        sub = type(cls.__name__, (cls,), {**methods, "_ampbridge_original": cls,
                                           "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__})
         _NNX_SUBCLASSES[cls] = sub
