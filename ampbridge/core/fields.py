@@ -229,11 +229,71 @@ TOP_FIELDS: tuple[FieldSpec, ...] = (
 #: keys a [[phase]] table may hold besides the top-level settings
 PHASE_BOUNDS = ("until_epoch", "until_step")
 #: top-level keys that are tables or arrays of tables
-TABLE_KEYS = ("override", "loss_scale", "phase")
+TABLE_KEYS = ("override", "loss_scale", "phase", "kinds")
 TOP_KEYS: tuple[str, ...] = tuple(f.name for f in TOP_FIELDS) + ("extends",) + TABLE_KEYS
 PHASE_KEYS: tuple[str, ...] = PHASE_BOUNDS + tuple(
     f.name for f in TOP_FIELDS if f.name != "version") + ("override", "loss_scale")
 LOSS_SCALE_KEYS: tuple[str, ...] = tuple(f.name for f in LOSS_SCALE_FIELDS)
+
+
+KINDS_DOC = ("classes given a portable kind, explicitly: kind = [class name or 're:REGEX' on the class name]; "
+             "beats the backends' own tables and inference; 'none' takes a kind away")
+
+
+def kinds_schema() -> dict[str, Any]:
+    from .matching import KINDS
+
+    names = {"type": "array", "items": {"type": "string", "minLength": 1}}
+    return {"type": "object", "additionalProperties": False, "description": KINDS_DOC,
+            "properties": {k: dict(names) for k in KINDS + ("none",)}}
+
+
+def check_kinds(raw: Any, where: "Callable[[KeyPath], KeyPath]", out: "Collector") -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The ``[kinds]`` table as ``((kind, (class name or 're:...', ...)), ...)`` in the table's order."""
+    import re
+
+    from .matching import KINDS, did_you_mean
+
+    accepted_kinds = KINDS + ("none",)
+    if isinstance(raw, tuple) and all(isinstance(e, tuple) and len(e) == 2 for e in raw):
+        raw = dict(raw)
+    if not isinstance(raw, Mapping):
+        out.add(where(("kinds",)), "must be a table of kind = [class names]", value=raw,
+                accepted='[kinds] with lines such as norm = ["LlamaRMSNorm", "re:.*RMSNorm$"]')
+        return ()
+    result, owner = [], {}
+    for kind, names in raw.items():
+        if kind not in accepted_kinds:
+            hint = did_you_mean(str(kind), accepted_kinds)
+            out.add(where(("kinds", kind)), "unknown kind in [kinds]" + (f"; {hint}" if hint else ""),
+                    accepted=", ".join(accepted_kinds))
+            continue
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            out.add(where(("kinds", kind)), "must be a list of class names", value=names,
+                    accepted="class names or 're:REGEX' (a full match on the class name)",
+                    hint=f"write [{names!r}]" if isinstance(names, str) else None)
+            continue
+        good = []
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not name.strip():
+                out.add(where(("kinds", kind, i)), "must be a non-empty class name", value=name,
+                        accepted="a class name or 're:REGEX'")
+                continue
+            if name.startswith("re:"):
+                try:
+                    re.compile(name[3:])
+                except re.error as e:
+                    out.add(where(("kinds", kind, i)), f"not a valid regular expression: {e}", value=name)
+                    continue
+            elif name in owner and owner[name] != kind:
+                out.add(where(("kinds", kind, i)), f"{name!r} is already listed under {owner[name]!r}", value=name,
+                        accepted="each class name under one kind")
+                continue
+            else:
+                owner[name] = kind
+            good.append(name)
+        result.append((str(kind), tuple(good)))
+    return tuple(result)
 
 
 # --- shared validation ------------------------------------------------------------------------

@@ -269,7 +269,7 @@ class _Merged:
     origin: dict[KeyPath, _Doc] = field(default_factory=dict)
 
     def where(self, path: KeyPath) -> tuple[str | None, int | None]:
-        head = tuple(path[:2]) if path and path[0] == "loss_scale" else tuple(path[:1])
+        head = tuple(path[:2]) if path and path[0] in ("loss_scale", "kinds") else tuple(path[:1])
         doc = self.origin.get(head) or self.origin.get(tuple(path[:1]))
         if doc is None:
             return None, None
@@ -300,19 +300,20 @@ def _merge_into(merged: _Merged, data: Mapping[str, Any], doc: _Doc) -> None:
     for key, value in data.items():
         if key in ("extends",):
             continue
-        if key == "loss_scale" and isinstance(value, dict) and isinstance(merged.data.get("loss_scale"), dict):
-            table = dict(merged.data["loss_scale"])
+        # [loss_scale] and [kinds] merge key by key (a [kinds] list replaces the parent's list of that kind)
+        if key in ("loss_scale", "kinds") and isinstance(value, dict) and isinstance(merged.data.get(key), dict):
+            table = dict(merged.data[key])
             for sub, v in value.items():
                 table[sub] = v
-                merged.origin[("loss_scale", sub)] = doc
-            merged.data["loss_scale"] = table
-            merged.origin.setdefault(("loss_scale",), doc)
+                merged.origin[(key, sub)] = doc
+            merged.data[key] = table
+            merged.origin.setdefault((key,), doc)
             continue
         merged.data[key] = value
         merged.origin[(key,)] = doc
-        if key == "loss_scale" and isinstance(value, dict):
+        if key in ("loss_scale", "kinds") and isinstance(value, dict):
             for sub in value:
-                merged.origin[("loss_scale", sub)] = doc
+                merged.origin[(key, sub)] = doc
 
 
 # --- building the Policy ---------------------------------------------------------------------

@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import UnmatchedRuleWarning
+from ..errors import UnmatchedRuleWarning, outside_stacklevel
+from .kinds import KindTable, looks_like
 from .matching import KINDS, Pattern, compile_pattern
 from .policy import Policy
 from .table import render_table
@@ -44,13 +45,17 @@ class Layer:
     """A framework-neutral description of one layer.
 
     ``path`` joins the layer's names with ``.``; ``kind`` is one of :data:`ampbridge.KINDS` or
-    None; ``param_count`` counts the parameters the layer owns itself (not its children's).
+    None; ``param_count`` counts the parameters the layer owns itself (not its children's);
+    ``kind_source`` says how the kind was decided (``"framework class"``, ``"class name"``,
+    ``"base class LlamaRMSNorm"``, ``"structure: ..."``, ``"registered"``, ``"[kinds] table"``; see
+    :mod:`ampbridge.core.kinds`).
     """
 
     path: str
     kind: str | None = None
     class_name: str = ""
     param_count: int = 0
+    kind_source: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in KINDS:
@@ -72,6 +77,16 @@ class PlanRow:
     pattern: str | None = None  # the pattern of the deciding rule that matched
     inherited_from: str | None = None  # the ancestor whose rule this row follows
     note: str | None = None  # where the framework's own machinery changes the row
+    kind_source: str | None = None  # how the kind was decided (a Plan JSON without it still loads)
+
+    @property
+    def kind_text(self) -> str:
+        """The kind as the table shows it: ``norm (class name)``; a framework's own class: ``norm``."""
+        if self.kind is None:
+            return "-" if not (self.kind_source or "").startswith("[kinds]") else f"- ({self.kind_source})"
+        if self.kind_source in (None, "framework class"):
+            return self.kind
+        return f"{self.kind} ({self.kind_source})"
 
     @property
     def decided_by(self) -> str:
@@ -137,7 +152,7 @@ class Plan:
         rows = [r for r in self.rows if not (only_ruled and r.rule == "default")]
         body = render_table(
             ("layer", "kind", "class", "params", "compute", "param", "output", "decided by"),
-            [(r.path or "(root)", r.kind or "-", r.class_name, str(r.param_count), r.compute_dtype,
+            [(r.path or "(root)", r.kind_text, r.class_name, str(r.param_count), r.compute_dtype,
               r.param_dtype, r.output_dtype, r.decided_by + (f" [{r.note}]" if r.note else ""))
              for r in rows],
         )
@@ -260,6 +275,19 @@ class RowResolver:
         self.compiled = [(label, rule, [compile_pattern(m) for m in rule.match]) for label, rule in policy.rules]
         self.index = _RuleIndex([patterns for _, _, patterns in self.compiled])
         self._decisions: dict[tuple, tuple[int, str] | None] = {}  # for row(): ancestors repeat
+        self.kinds = KindTable(policy.kinds)
+
+    def layer(self, layer: Layer) -> Layer:
+        """``layer`` with the policy's ``[kinds]`` table applied (explicit beats inferred)."""
+        if not self.kinds:
+            return layer
+        listed = self.kinds.kind_of(layer.class_name)
+        if listed is KindTable.UNLISTED:
+            return layer
+        source = "[kinds] table"
+        if listed != layer.kind and layer.kind is not None:
+            source += f"; overrules {layer.kind} ({layer.kind_source or 'framework class'})"
+        return replace(layer, kind=listed, kind_source=source)
 
     def decision(self, layer: Layer) -> tuple[int, str] | None:
         """(rule index, matching pattern) of the last rule matching ``layer`` itself, or None."""
@@ -286,16 +314,19 @@ class RowResolver:
         policy = self.policy
         if decided is None:
             return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count,
-                           policy.compute_dtype, policy.param_dtype, policy.compute_dtype)
+                           policy.compute_dtype, policy.param_dtype, policy.compute_dtype,
+                           kind_source=layer.kind_source)
         idx, pattern = decided
         label, rule, _ = self.compiled[idx]
         compute = rule.compute_dtype or policy.compute_dtype
         return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count, compute,
                        rule.param_dtype or policy.param_dtype, rule.output_dtype or compute,
-                       label, pattern, inherited)
+                       label, pattern, inherited, kind_source=layer.kind_source)
 
     def row(self, chain: "list[Layer] | tuple[Layer, ...]") -> PlanRow:
         """The row of ``chain[-1]``; ``chain[:-1]`` are its ancestors, the model's root first."""
+        if self.kinds:
+            chain = [self.layer(link) for link in chain]
         layer = chain[-1]
         decided = self._cached_decision(layer)
         if decided is not None:
@@ -314,10 +345,12 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
 
     ``adjust`` lets a backend correct a row where its framework overrides the request (torch's
     autocast runs some ops in float32 whatever is asked); ``warn`` emits
-    :class:`UnmatchedRuleWarning` for each rule that matches no layer.
+    :class:`UnmatchedRuleWarning` for each rule that matches no layer, and for each ``kind:`` rule
+    whose kind some classes of the model seem to have by name but were not given (see
+    :func:`unrecognised_kinds`): once per policy and model, however often the model is planned.
     """
-    layers = list(layers)
     resolver = RowResolver(policy)
+    layers = [resolver.layer(layer) for layer in layers] if resolver.kinds else list(layers)
     policy = resolver.policy
     compiled = resolver.compiled
     pending = set(range(len(compiled)))  # rules not yet seen matching any layer
@@ -348,11 +381,51 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
 
     unmatched = tuple(f"{label} ({', '.join(rule.match)})"
                       for i, (label, rule, _) in enumerate(compiled) if i in pending)
-    if warn:
-        for text in unmatched:
-            warnings.warn(f"{text} matches no layer of the model (a typo?)", UnmatchedRuleWarning,
-                          stacklevel=2)
-    return Plan(tuple(rows), policy, framework, unmatched, tuple(notes))
+    missed = unrecognised_kinds(layers, resolver)
+    notes = tuple(notes) + tuple(missed)
+    if warn and (unmatched or missed):
+        model_key = (policy, framework, hash(tuple((layer.path, layer.class_name) for layer in layers)))
+        for text in [f"{t} matches no layer of the model (a typo?)" for t in unmatched] + missed:
+            _warn_once_per_model(model_key, text)
+    return Plan(tuple(rows), policy, framework, unmatched, notes)
+
+
+#: (policy, framework, model signature, message) already said; bounded (oldest forgotten first)
+_SAID: dict[tuple, None] = {}
+
+
+def _warn_once_per_model(model_key: tuple, text: str) -> None:
+    key = model_key + (text,)
+    if key in _SAID:
+        return
+    if len(_SAID) >= 4096:
+        del _SAID[next(iter(_SAID))]
+    _SAID[key] = None
+    warnings.warn(text, UnmatchedRuleWarning, stacklevel=outside_stacklevel())
+
+
+def unrecognised_kinds(layers: "list[Layer]", resolver: RowResolver) -> list[str]:
+    """One line per ``kind:K`` rule for classes whose name suggests ``K`` but that got no kind.
+
+    A class with no kind whose name holds the kind's word (``norm``, ``embed``, ``attention``/``attn``,
+    ``softmax``, ``linear``/``dense``, ``conv``, ``lstm``/``gru``/``rnn``) is likely a layer the
+    rule was meant for; classes whose missing kind was decided (``none`` in ``[kinds]``, a rotary
+    embedding) are not listed.
+    """
+    wanted = {p.value: label for label, _, patterns in resolver.compiled for p in patterns
+              if p.target == "kind"}
+    if not wanted:
+        return []
+    lines = []
+    for kind, label in wanted.items():
+        names = sorted({layer.class_name for layer in layers if layer.kind is None and layer.kind_source is None
+                        and layer.class_name and looks_like(kind, layer.class_name)})
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            lines.append(f"{label} (kind:{kind}): class(es) {shown} look like {kind} by name but were not "
+                         f"recognised, so the rule does not reach them; name them in the policy's [kinds] table "
+                         f"({kind} = [{json.dumps(names[0])}]) or register them (register_kind)")
+    return lines
 
 
 @contextlib.contextmanager

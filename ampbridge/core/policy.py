@@ -32,6 +32,7 @@ from .fields import (
     Collector,
     KeyPath,
     check_fields,
+    check_kinds,
     check_loss_scale_consistency,
     check_pattern_list,
     check_phase_order,
@@ -191,11 +192,14 @@ class Policy:
     phases: tuple[Phase, ...] = ()
     version: int = 1
     source: str | None = field(default=None, compare=False, repr=False)
+    #: the ``[kinds]`` table: ``((kind, (class name or "re:...", ...)), ...)``; a mapping is accepted
+    kinds: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         out = Collector()
         raw = {f.name: getattr(self, f.name) for f in TOP_FIELDS}
         values = check_fields(TOP_FIELDS, raw, lambda k: (k,), out)
+        values["kinds"] = check_kinds(self.kinds, lambda p: p, out) if self.kinds else ()
         check_pattern_list(values["keep_float32"], lambda i: ("keep_float32", i), out)
         if values["reduce_dtype"] is None:
             values["reduce_dtype"] = values["param_dtype"]
@@ -267,7 +271,7 @@ class Policy:
             return self
         i = self.phase_index(step=step, epoch=epoch)
         chosen = self.phases[i].policy if i is not None else dataclasses.replace(self, phases=())
-        return dataclasses.replace(chosen, source=self.source)
+        return dataclasses.replace(chosen, source=self.source, kinds=self.kinds)  # [kinds] is not per phase
 
     def replace(self, **changes: Any) -> "Policy":
         """A copy with some fields changed (validated again)."""
@@ -397,7 +401,7 @@ def construct(values: dict[str, Any], **extra: Any) -> Policy:
 
 def build(data: Mapping[str, Any], source: str | None, out: Collector) -> Policy | None:
     """The Policy of a merged plain document (``extends`` resolved), or None when ``out`` holds problems."""
-    base_settings = {k: v for k, v in data.items() if k not in ("phase", "extends")}
+    base_settings = {k: v for k, v in data.items() if k not in ("phase", "extends", "kinds")}
     values = build_settings(base_settings, lambda p: p, out)
     phases_raw = data.get("phase", [])
     phase_values: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -443,10 +447,11 @@ def build(data: Mapping[str, Any], source: str | None, out: Collector) -> Policy
             phase_values.append((p_values, bounds))
     check_phase_order([(("epoch" if "until_epoch" in b else "step" if "until_step" in b else None),
                         b.get("until_epoch", b.get("until_step"))) for _, b in phase_values], out)
+    kinds = check_kinds(data["kinds"], lambda p: p, out) if data.get("kinds") is not None else ()
     if out.problems:
         return None
-    phases = tuple(Phase(policy=construct(pv), **b) for pv, b in phase_values)
-    return construct(values, phases=phases, source=source)
+    phases = tuple(Phase(policy=construct(pv, kinds=kinds), **b) for pv, b in phase_values)
+    return construct(values, phases=phases, source=source, kinds=kinds)
 
 
 _SETTING_KEYS = tuple(f.name for f in TOP_FIELDS if f.name != "version")
@@ -467,6 +472,8 @@ def policy_to_dict(p: Policy) -> dict[str, Any]:
     d.update(base)
     if not d["override"]:
         del d["override"]
+    if p.kinds:
+        d["kinds"] = {kind: list(names) for kind, names in p.kinds}
     if p.phases:
         phases = []
         for ph in p.phases:

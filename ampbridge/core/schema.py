@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fields import LOSS_SCALE_FIELDS, PHASE_BOUNDS, RULE_FIELDS, TOP_FIELDS, FieldSpec
+from .fields import LOSS_SCALE_FIELDS, PHASE_BOUNDS, RULE_FIELDS, TOP_FIELDS, FieldSpec, kinds_schema
 
 SCHEMA_ID = "https://ampbridge.invalid/schema/policy-v1.json"
 
@@ -63,5 +63,6 @@ def json_schema() -> dict[str, Any]:
                          "description": "later rules win over earlier ones and over keep_float32"},
             "loss_scale": loss_scale,
             "phase": {"type": "array", "items": phase, "description": "a precision schedule"},
+            "kinds": kinds_schema(),
         },
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from ampbridge._testing import require
@@ -245,6 +247,10 @@ def test_unmatched_rules_warn():
     with pytest.warns(ampbridge.UnmatchedRuleWarning, match="lm_haed"):
         abj.plan(nn.Dense(2), policy, jnp.ones((1, 2)))
     amp = abj.apply(nn.Dense(2), policy)
+    with warnings.catch_warnings():  # said once per policy and model, however often it is planned
+        warnings.simplefilter("error")
+        jax.eval_shape(amp.init, jax.random.key(0), jnp.ones((1, 2)))
+    amp = abj.apply(nn.Dense(2), policy.replace(compute_dtype="bfloat16"))  # another policy: said again
     with pytest.warns(ampbridge.UnmatchedRuleWarning, match="lm_haed"):
         jax.eval_shape(amp.init, jax.random.key(0), jnp.ones((1, 2)))
 

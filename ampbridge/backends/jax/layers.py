@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...core.kinds import KindRegistry, infer_kind
 from ...core.matching import join_path
 from ...core.plan import Layer, PlanRow, RowResolver, with_note
 from ...core.policy import Policy
@@ -56,15 +57,33 @@ def _class_table(flavour: str) -> dict[type, str]:
     return table
 
 
+_REGISTERED = KindRegistry()
+
+
+def register_kind(cls: type, kind: str | None) -> None:
+    """Give a Flax module class (linen or NNX, and its subclasses) a portable kind in code; ``None``:
+    no kind. Beats Flax's classes and the inference from names; the policy's ``[kinds]`` beats it."""
+    _REGISTERED.register(cls, kind)
+
+
 def _kind_of(obj: Any, flavour: str) -> str | None:
     declared = getattr(obj, "ampbridge_kind", None)
     if declared is not None:
         return declared
+    registered = _REGISTERED.lookup(getattr(type(obj), "_ampbridge_original", type(obj)))
+    if _REGISTERED.found(registered):
+        return registered
     table = _class_table(flavour)
     for cls in type(obj).__mro__:
         if cls in table:
             return table[cls]
-    return None
+    return _inferred(getattr(type(obj), "_ampbridge_original", type(obj)))
+
+
+@functools.lru_cache(maxsize=None)
+def _inferred(cls: type) -> str | None:
+    """The core's inference from the class's and its bases' names (Gemma's RMSNorm, an Embedder)."""
+    return infer_kind([c.__name__ for c in cls.__mro__ if not c.__module__.startswith(("flax.", "builtins"))])[0]
 
 
 def _class_name(obj: Any) -> str:

@@ -35,7 +35,7 @@ import_framework("keras", "keras")  # before any room imports it: a clear error 
 
 from .apply import apply, scope  # noqa: E402
 from .environment import bfloat16_rounding, device, resolve_policy, set_matmul_precision  # noqa: E402
-from .layers import kind_of, layers, owns  # noqa: E402
+from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noqa: E402
 from .loss_scale import LossScaleCallback, LossScaleOptimizer, optimizer  # noqa: E402
 from .monitor import Monitor, MonitorCallback  # noqa: E402
 from .plan import MixedDTypePolicy, dtype_policy, plan  # noqa: E402
@@ -53,12 +53,14 @@ __all__ = [
     "bfloat16_rounding",
     "device",
     "dtype_policy",
+    "kind_and_source",
     "kind_of",
     "layers",
     "load_model",
     "optimizer",
     "owns",
     "plan",
+    "register_kind",
     "resolve_policy",
     "scope",
     "set_matmul_precision",

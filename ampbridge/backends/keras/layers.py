@@ -1,7 +1,9 @@
 """The walk of a Keras model: nested layers by path, their portable kinds, and the neutral
 ``Layer`` descriptors the core plans from.
 
-Names: ``layers``, ``kind_of``, ``owns``; ``_children``, ``_own_params``, ``_describe``.
+Names: ``layers``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``; ``_children``,
+``_own_params``, ``_describe``. Kinds: ``ampbridge_kind``, ``register_kind``, Keras's classes, then
+the core's inference from the class's and its bases' names (:mod:`ampbridge.core.kinds`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from ...core.kinds import KindRegistry, infer_kind
 from ...core.plan import Layer
 
 
@@ -37,18 +40,42 @@ def _kind_table() -> list[tuple[tuple[type, ...], str]]:
 _KINDS: list[tuple[tuple[type, ...], str]] | None = None
 
 
+_REGISTERED = KindRegistry()
+
+
+def register_kind(cls: type, kind: str | None) -> None:
+    """Give a Keras layer class (and its subclasses) a portable kind in code; ``None``: no kind.
+
+    Beats Keras's classes and the inference from names; the policy's ``[kinds]`` table beats it.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+        raise TypeError(f"ampbridge.keras.register_kind needs a keras.layers.Layer subclass; received {cls!r}")
+    _REGISTERED.register(cls, kind)
+
+
 def kind_of(layer: Any) -> str | None:
-    """The portable kind of a Keras layer: its ``ampbridge_kind`` attribute, else its class."""
+    """The portable kind of a Keras layer (see :func:`kind_and_source`)."""
+    return kind_and_source(layer)[0]
+
+
+def kind_and_source(layer: Any) -> tuple[str | None, str | None]:
+    """``(kind, how it was decided)``: the ``ampbridge_kind`` attribute, :func:`register_kind`,
+    Keras's classes, then the core's inference from the class's and its bases' names."""
     declared = getattr(layer, "ampbridge_kind", None)
     if declared is not None:
-        return declared
+        return declared, "ampbridge_kind attribute"
+    registered = _REGISTERED.lookup(type(layer))
+    if _REGISTERED.found(registered):
+        return registered, "registered"
     global _KINDS
     if _KINDS is None:
         _KINDS = _kind_table()
     for classes, kind in _KINDS:
         if isinstance(layer, classes):
-            return kind
-    return None
+            return kind, "framework class"
+    names = [c.__name__ for c in type(layer).__mro__ if not c.__module__.startswith(("keras.", "builtins"))]
+    leaf = not layer._flatten_layers(include_self=False, recursive=False)
+    return infer_kind(names, leaf=leaf)
 
 
 # Built-in composite layers create some sublayers with auto-generated, process-dependent names
@@ -110,7 +137,8 @@ def _own_params(layer: Any) -> int:
 def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
     described, by_path = [], {}
     for path, layer in layers(model):
-        described.append(Layer(path, kind_of(layer), type(layer).__name__, _own_params(layer)))
+        kind, source = kind_and_source(layer)
+        described.append(Layer(path, kind, type(layer).__name__, _own_params(layer), source))
         by_path[path] = layer
     return described, by_path
 

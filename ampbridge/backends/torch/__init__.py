@@ -20,7 +20,7 @@ import_framework("torch", "torch")
 from .apply import ModelNotSupportedError, TorchAmp, apply, plan  # noqa: E402
 from .distributed import FSDPPrecision, fsdp_policy  # noqa: E402
 from .environment import DTYPES, cpu_lstm_takes_float32_inputs, native_dtype  # noqa: E402
-from .layers import kind_of, layers, owns  # noqa: E402
+from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noqa: E402
 from .loss_scale import GradScaler, StepResult  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 
@@ -35,11 +35,13 @@ __all__ = [
     "apply",
     "cpu_lstm_takes_float32_inputs",
     "fsdp_policy",
+    "kind_and_source",
     "kind_of",
     "layers",
     "native_dtype",
     "owns",
     "plan",
+    "register_kind",
 ]
 
 #: doctest.testmod(ampbridge.torch) looks only at names defined in that module: this hands it the

@@ -193,9 +193,12 @@ class TorchAmp:
         modules = dict(self.model.named_modules())
         for path, spec in realisation.specs.items():
             _install(modules[path], spec)
+        # the fused fast path bypasses the children's forwards (their rules) and ignores CPU autocast
+        # (it checks CUDA's only): a layer whose row computes below float32 would run in float32
         self._hooks = [module.register_forward_pre_hook(_keep_slow_path)
                        for path, module in modules.items() if isinstance(module, nn.TransformerEncoderLayer)
-                       and any(p != path and (not path or p.startswith(path + ".")) for p in realisation.specs)]
+                       and (realisation.plan[path].compute_dtype != "float32"
+                            or any(p != path and (not path or p.startswith(path + ".")) for p in realisation.specs))]
 
     def _uninstall(self) -> None:
         for _, module in self.model.named_modules():

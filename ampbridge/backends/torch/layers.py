@@ -1,17 +1,21 @@
 """The model's walk: neutral ``Layer`` descriptors (path, kind, class name, parameter count), the
 portable kinds of torch.nn classes, and the registry's question (is this a torch model?).
 
-Holds ``owns``, ``kind_of``, ``layers``, ``_class_name`` and ``_entries``.
+Holds ``owns``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``layers``, ``_class_name`` and
+``_entries``. Kinds: ``ampbridge_kind`` attribute, ``register_kind``, torch.nn's classes, then the core's
+inference (:mod:`ampbridge.core.kinds`) on the class and its bases' names, then structure.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...core.kinds import KindRegistry, infer_kind
 from ...core.matching import KINDS
 from ...core.plan import Layer
 
@@ -60,26 +64,76 @@ _KIND_BY_NAME = {cls.__name__: kind for cls, kind in _kind_table()} | {
         ("GRU", "recurrent"), ("RNNCell", "recurrent"), ("LSTMCell", "recurrent"), ("GRUCell", "recurrent"))}
 
 
+_REGISTERED = KindRegistry()
+
+
+def register_kind(cls: type, kind: str | None) -> None:
+    """Give a module class (and its subclasses) a portable kind in code; ``None``: no kind.
+
+    Beats torch.nn's classes and the inference from names; the policy's ``[kinds]`` table beats it.
+
+    Example:
+        >>> import torch
+        >>> class Scale(torch.nn.Module): pass
+        >>> register_kind(Scale, "norm"); kind_and_source(Scale())
+        ('norm', 'registered')
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"ampbridge.torch.register_kind needs a torch.nn.Module subclass; received {cls!r}")
+    _REGISTERED.register(cls, kind)
+
+
 def kind_of(module: nn.Module) -> str | None:
-    """The portable kind of a module: its ``ampbridge_kind`` attribute, else its torch.nn class.
+    """The portable kind of a module (see :func:`kind_and_source` for how it is decided).
 
     Example:
         >>> import torch
         >>> kind_of(torch.nn.LayerNorm(4)), kind_of(torch.nn.ReLU())
         ('norm', None)
     """
+    return kind_and_source(module)[0]
+
+
+def kind_and_source(module: nn.Module) -> tuple[str | None, str | None]:
+    """``(kind, how it was decided)``: the ``ampbridge_kind`` attribute, :func:`register_kind`, the
+    torch.nn class, the core's inference from the class's and its bases' names, then structure (a
+    ``*Conv1D`` whose weight is 2-D, as transformers' GPT-2 ``Conv1D``, is a linear map).
+
+    Example:
+        >>> import torch
+        >>> class LlamaRMSNorm(torch.nn.Module): pass
+        >>> kind_and_source(LlamaRMSNorm()), kind_and_source(torch.nn.LayerNorm(4))
+        (('norm', 'class name'), ('norm', 'framework class'))
+    """
     declared = getattr(module, "ampbridge_kind", _MISSING)
     if declared is not _MISSING:
         if declared is not None and declared not in KINDS:
             raise ValueError(f"{type(module).__name__}.ampbridge_kind: unknown kind {declared!r}; "
                              f"accepted: {', '.join(KINDS)} or None")
-        return declared
+        return declared, "ampbridge_kind attribute"
+    registered = _REGISTERED.lookup(type(module))
+    if _REGISTERED.found(registered):
+        return registered, "registered"
     if isinstance(module, torch.jit.ScriptModule):
-        return _KIND_BY_NAME.get(_class_name(module))
+        name = _class_name(module)
+        if name in _KIND_BY_NAME:
+            return _KIND_BY_NAME[name], "framework class"
+        return infer_kind([name], leaf=next(module.children(), None) is None)
     for cls, kind in _kind_table():
         if isinstance(module, cls):
-            return kind
-    return None
+            return kind, "framework class"
+    kind, source = _inferred(type(module), next(module.children(), None) is None)
+    if kind == "conv":
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and next(module.children(), None) is None:
+            return "linear", "structure: a 2-D weight is a linear map (conv weights have 3+ dims)"
+    return kind, source
+
+
+@functools.lru_cache(maxsize=4096)
+def _inferred(cls: type, leaf: bool) -> tuple[str | None, str | None]:
+    """The core's inference on a class's and its bases' names (once per class: a model repeats them)."""
+    return infer_kind([c.__name__ for c in cls.__mro__ if c not in (nn.Module, object)], leaf=leaf)
 
 
 def _class_name(module: nn.Module) -> str:
@@ -116,5 +170,6 @@ def layers(model: nn.Module) -> list[Layer]:
             seen.add(id(p))
             if not isinstance(p, nn.parameter.UninitializedParameter):
                 own += p.numel()
-        out.append(Layer(path, kind_of(module), _class_name(module), own))
+        kind, source = kind_and_source(module)
+        out.append(Layer(path, kind, _class_name(module), own, source))
     return out

@@ -227,8 +227,9 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                           f"restored after (float32 matmuls may use "
                           f"{'TF32' if policy.matmul_precision == 'high' else 'bfloat16'} on hardware that has it)")
     if input_following:
-        plan_notes.append(f"{len(input_following)} row(s) follow their input's dtype (autocast leaves those ops "
-                          "alone); ampbridge.torch.plan(model, policy, *example_inputs) traces the exact dtypes")
+        plan_notes.append(f"{len(input_following)} row(s) follow the data flow (their input's dtype where autocast "
+                          "leaves the ops alone, a custom module's own ops); "
+                          "ampbridge.torch.plan(model, policy, *example_inputs) traces the exact dtypes")
     out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
     return _Realisation(out, policy, specs, storage, frozenset(input_following))
 
@@ -258,8 +259,10 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
                 if isinstance(module, nn.Bilinear) and present_as is None else "")
         return compute, compute, (f"follows its input's dtype: {device_type} autocast leaves {cls} alone "
                                   f"({compute} when fed by a {compute} layer){also}"), True
-    if behaviour == "custom" and not cast_inputs:
-        return compute, compute, "custom module: its ops follow autocast's per-op rules", False
+    if behaviour == "custom" and not cast_inputs:  # its own code decides: the data flow, not the row
+        return compute, compute, (f"custom module: autocast runs its matmuls and convolutions in {compute}; its "
+                                  f"other ops and its output follow autocast's per-op rules and the module's own "
+                                  f"casts (a float32 softmax stays float32)"), True
     if behaviour == "cast" and device_type == "cpu" and isinstance(module, (nn.GRU, nn.RNNCellBase)) \
             and not cast_inputs:
         return compute, compute, (f"the gates' matmuls run in {compute}; the output keeps its input's dtype "

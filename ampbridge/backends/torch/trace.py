@@ -106,8 +106,8 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         changes: dict[str, Any] = {}
         if observed in DTYPES:
             changes["compute_dtype"] = observed
-            if follows and path in delivered:
-                changes["output_dtype"] = delivered[path]
+        if follows and path in delivered:  # mixed compute ("float16+float32") still has one output dtype
+            changes["output_dtype"] = delivered[path]
         reason = row.note.split(" (")[0] if follows and row.note else row.note
         rows.append(with_note(row, _join(reason, f"traced: ran in {observed}"), **changes))
     return Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
