@@ -47,16 +47,17 @@ def machine() -> list[str]:
     ]
 
 
-def _merged(new: list[str]) -> list[str]:
-    """The sections of the existing page with ``new`` ones replacing theirs (the page's machine
-    line then describes the latest run; each replaced section says when it was run)."""
-    stamp = datetime.datetime.now().isoformat(timespec="minutes")
-    new = [section.rstrip("\n") + f" (run {stamp})\n" for section in new]
-    old = OUT.read_text().split("\n## ")[1:] if OUT.exists() else []
+def _merged(new: list[str]) -> tuple[str | None, list[str]]:
+    """The existing page's header and sections, ``new`` replacing theirs: a partial run keeps the
+    page's machine lines (they describe the other sections) and gives its own sections theirs."""
+    stamp = " ".join(line.removeprefix("- ") for line in machine()[:2])
+    new = [section.rstrip("\n") + f"\n\n(this section: {stamp})\n" for section in new]
+    text = OUT.read_text() if OUT.exists() else ""
+    header, *old = text.split("\n## ")
     by_name = {("## " + s).split("\n", 1)[0]: "## " + s.rstrip("\n") + "\n" for s in old}
     for section in new:
         by_name[section.split("\n", 1)[0]] = section
-    return [by_name[k] for k in sorted(by_name)]
+    return (header.rstrip("\n") + "\n\n" if old else None), [by_name[k] for k in sorted(by_name)]
 
 
 def main(argv: list[str]) -> int:
@@ -80,11 +81,13 @@ def main(argv: list[str]) -> int:
                         f"(`python benchmarks/{script.name}`, {took:.0f} s{', FAILED' if proc.returncode else ''})\n")
     if write and sections:
         OUT.parent.mkdir(exist_ok=True)
-        if wanted:  # a partial run replaces its own sections and keeps the others, each with its date
-            sections = _merged(sections)
-        OUT.write_text("# Benchmarks\n\nWritten by `make bench` (`python benchmarks/run.py`). Every speed is a ratio "
-                       "against the native equivalent measured in the same process.\n\n" + "\n".join(machine())
-                       + "\n\n" + "\n".join(sections))
+        header = None
+        if wanted:  # a partial run replaces its own sections and keeps the others
+            header, sections = _merged(sections)
+        if header is None:
+            header = ("# Benchmarks\n\nWritten by `make bench` (`python benchmarks/run.py`). Every speed is a ratio "
+                      "against the native equivalent measured in the same process.\n\n" + "\n".join(machine()) + "\n\n")
+        OUT.write_text(header + "\n".join(sections))
         print(f"written to {OUT}")
     return status
 
