@@ -282,8 +282,16 @@ def _read_file(path: Path) -> tuple[str, str, tuple[str, ...]]:
     if fmt is None:
         raise PolicyError([Problem("cannot tell the policy format from the file name", file=str(path),
                                    accepted="a name ending in .toml, .yaml, .yml or .json, or pyproject.toml")])
+    text = read_text(path)
+    root = ("tool", "ampbridge") if path.name == "pyproject.toml" else ()
+    return text, fmt, root
+
+
+def read_text(path: Path) -> str:
+    """A settings file's text (a byte-order mark dropped), or a PolicyError naming the file and why
+    it cannot be read: missing, a directory, not UTF-8, or the system's reason."""
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the policy
+        return path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise PolicyError([Problem("no such file", file=str(path))]) from None
     except IsADirectoryError:
@@ -292,8 +300,6 @@ def _read_file(path: Path) -> tuple[str, str, tuple[str, ...]]:
         raise PolicyError([Problem(f"not UTF-8 text (byte {e.start}); is it a binary file?", file=str(path))]) from None
     except OSError as e:
         raise PolicyError([Problem(f"cannot read the file: {e.strerror or e}", file=str(path))]) from None
-    root = ("tool", "ampbridge") if path.name == "pyproject.toml" else ()
-    return text, fmt, root
 
 
 def _merge_into(merged: _Merged, data: Mapping[str, Any], doc: _Doc) -> None:

@@ -542,17 +542,11 @@ def _parse_text(text: str, suffix: str, source: str | None) -> tuple[Any, Callab
 
 
 def _read_file(p: Path) -> str:
-    """A recipe file's text; a missing or unreadable file is a PolicyError naming it."""
-    try:
-        return p.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the settings
-    except FileNotFoundError:
-        raise PolicyError([Problem("no such file", file=str(p))]) from None
-    except IsADirectoryError:
-        raise PolicyError([Problem("a directory, not a file", file=str(p))]) from None
-    except UnicodeDecodeError as e:
-        raise PolicyError([Problem(f"not UTF-8 text (byte {e.start}); is it a binary file?", file=str(p))]) from None
-    except OSError as e:
-        raise PolicyError([Problem(f"cannot read the file: {e.strerror or e}", file=str(p))]) from None
+    """A recipe file's text; a missing or unreadable file is a PolicyError naming it (the policy
+    loader's reading, shared)."""
+    from ..core.io import read_text
+
+    return read_text(p)
 
 
 def _parse_recipe(text: str, suffix: str, source: str | None) -> tuple[Any, Callable[[tuple], int | None], str]:
