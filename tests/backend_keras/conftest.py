@@ -60,7 +60,9 @@ def _helpers():
         random.seed(n)
         np.random.seed(n)
         global_state.set_global_attribute("global_random_seed", n)
-        global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+        # the constant exists from keras 3.13; its value is the attribute name every release uses
+        global_state.set_global_attribute(getattr(seed_generator, "GLOBAL_SEED_GENERATOR", "global_seed_generator"),
+                                          None)
         if keras.backend.backend() == "torch":
             import torch
 
