@@ -14,7 +14,7 @@ import importlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 from ..core.io import PRESETS, load, preset
@@ -70,3 +70,11 @@ def import_framework(module: str, backend: str) -> ModuleType:
         raise BackendUnavailableError(
             f"ampbridge.{backend} needs {module.split('.')[0]!r}, which is not installed ({e}). "
             f"Install with: pip install 'ampbridge[{extra}]'") from e
+
+
+def doctests(namespace: dict[str, Any]) -> dict[str, Any]:
+    """A backend package's ``__test__``: ``doctest.testmod`` looks only at names defined in the module
+    itself, so this hands it the package docstring and the rooms' public functions and classes."""
+    public = set(namespace["__all__"])
+    return {"overview": namespace["__doc__"]} | {
+        name: obj for name, obj in namespace.items() if name in public and isinstance(obj, type | FunctionType)}

@@ -105,21 +105,12 @@ POLICY_FIELDS = ("compute_dtype", "param_dtype", "output_dtype", "reduce_dtype",
 _ALL_BUT_MATMUL = frozenset(POLICY_FIELDS) - {"matmul_precision", "phases"}
 
 
-class _Reader:
-    """Collects problems (with file and line), losses, notes and origins while a source is read."""
+class _Findings:
+    """The losses and notes of one conversion, each said once, in order (reading and writing alike)."""
 
-    def __init__(self, fmt: str, source: str | None = None,
-                 locate: Callable[[tuple], int | None] | None = None, prefix: tuple = ()):
-        self.fmt, self.source, self.prefix = fmt, source, prefix
-        self._line = locate or (lambda path: None)
-        self.out = Collector(lambda path: (source, self._line(tuple(path))))
+    def __init__(self) -> None:
         self.losses: list[Loss] = []
         self.notes: list[str] = []
-        self.origins: dict[str, str] = {}
-
-    def problem(self, path: tuple, message: str, *, value: Any = _MISSING, accepted: str | None = None,
-                hint: str | None = None) -> None:
-        self.out.add(self.prefix + tuple(path), message, value=value, accepted=accepted, hint=hint)
 
     def loss(self, setting: str, value: Any, reason: str) -> None:
         item = Loss(setting, value, reason)
@@ -129,6 +120,22 @@ class _Reader:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+
+class _Reader(_Findings):
+    """Collects problems (with file and line), losses, notes and origins while a source is read."""
+
+    def __init__(self, fmt: str, source: str | None = None,
+                 locate: Callable[[tuple], int | None] | None = None, prefix: tuple = ()):
+        super().__init__()
+        self.fmt, self.source, self.prefix = fmt, source, prefix
+        self._line = locate or (lambda path: None)
+        self.out = Collector(lambda path: (source, self._line(tuple(path))))
+        self.origins: dict[str, str] = {}
+
+    def problem(self, path: tuple, message: str, *, value: Any = _MISSING, accepted: str | None = None,
+                hint: str | None = None) -> None:
+        self.out.add(self.prefix + tuple(path), message, value=value, accepted=accepted, hint=hint)
 
     def check_keys(self, section: Mapping[str, Any], accepted: Sequence[str], path: tuple, what: str) -> None:
         for key in section:
@@ -305,22 +312,12 @@ def differences(a: Policy, b: Policy, fields: Iterable[str] = POLICY_FIELDS) -> 
 
 # --- writing helpers ----------------------------------------------------------------------------
 
-class _Writer:
+class _Writer(_Findings):
     """Collects the losses and notes of one export."""
 
     def __init__(self, fmt: str, policy: Policy):
+        super().__init__()
         self.fmt, self.policy = fmt, policy
-        self.losses: list[Loss] = []
-        self.notes: list[str] = []
-
-    def loss(self, setting: str, value: Any, reason: str) -> None:
-        item = Loss(setting, value, reason)
-        if item not in self.losses:
-            self.losses.append(item)
-
-    def note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
 
     def done(self, result: Any) -> Conversion:
         return Conversion(result, tuple(self.losses), tuple(self.notes), "ampbridge", self.fmt)

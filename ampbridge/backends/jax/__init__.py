@@ -47,7 +47,7 @@ Example:
     65536.0
 """
 
-from ..common import import_framework
+from ..common import doctests, import_framework
 
 import_framework("jax", "jax")
 
@@ -113,7 +113,4 @@ __all__ = [
     "value_and_grad",
 ]
 
-#: doctest.testmod(ampbridge.jax) looks only at names defined in that module: this hands it the
-#: rooms' public functions and classes (their docstring examples), and the example above
-__test__ = {"overview": __doc__} | {name: obj for name, obj in globals().items()
-                                    if name in __all__ and isinstance(obj, type | type(apply))}
+__test__ = doctests(globals())  # the rooms' examples, for doctest.testmod(ampbridge.jax)

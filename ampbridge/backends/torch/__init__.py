@@ -10,7 +10,7 @@ Example:
     ('bfloat16', 'float32', torch.float32)
 """
 
-from ..common import import_framework
+from ..common import doctests, import_framework
 
 import_framework("torch", "torch")
 
@@ -44,7 +44,4 @@ __all__ = [
     "register_kind",
 ]
 
-#: doctest.testmod(ampbridge.torch) looks only at names defined in that module: this hands it the
-#: rooms' public functions and classes (their docstring examples), and the example above
-__test__ = {"overview": __doc__} | {name: obj for name, obj in globals().items()
-                                    if name in __all__ and isinstance(obj, type | type(apply))}
+__test__ = doctests(globals())  # the rooms' examples, for doctest.testmod(ampbridge.torch)
