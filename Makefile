@@ -3,14 +3,22 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 CORE_VENV := .venv-core
+MIN_VENV := .venv-min
 PIP := -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test test-core test-all bench clean
+.PHONY: demo test test-core test-all test-min bench clean
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	DS_BUILD_OPS=0 $(VENV)/bin/python $(PIP) -e '.[dev]'  # deepspeed: no compiled ops (CPU, no CUDA toolkit)
+	# keras-hub (the Keras model zoo's BERT/GPT-2/Llama backbones) without its deps: they pull
+	# tensorflow-text, hence full tensorflow, which clashes with tensorflow-cpu; the backbones built
+	# from arguments need only what .[dev] already has (absl-py, numpy, packaging, regex, rich, tokenizers)
+	$(VENV)/bin/python $(PIP) --no-deps keras-hub==0.32.0
+	# flaxmodels (the Flax zoo's linen ResNet18) without its deps: it lists the `dataclasses` backport;
+	# the rest is already in .[dev]. (recurrentgemma pins numpy<2.4 and absl-py<2; gemma 4 needs Python 3.12)
+	$(VENV)/bin/python $(PIP) --no-deps flaxmodels==0.1.3
 	touch $@
 
 # framework-free: proves the core needs no framework
@@ -18,6 +26,15 @@ $(CORE_VENV)/.stamp: pyproject.toml constraints.txt
 	rm -rf $(CORE_VENV)
 	$(PYTHON) -m venv $(CORE_VENV)
 	$(CORE_VENV)/bin/python $(PIP) -e '.[test]'
+	touch $@
+
+# the oldest supported releases (constraints-min.txt), for `make test-min`; the test suites' own
+# helpers (jmp, orbax-checkpoint) come from the same file
+$(MIN_VENV)/.stamp: pyproject.toml constraints-min.txt
+	rm -rf $(MIN_VENV)
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q --disable-pip-version-check -c constraints-min.txt \
+		-e '.[test,torch,keras,jax]' jmp orbax-checkpoint
 	touch $@
 
 demo: $(VENV)/.stamp
@@ -37,8 +54,17 @@ test-all: $(VENV)/.stamp
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q tests/backend_keras
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q tests/backend_keras
 
+# the floors: the Keras suite on each Keras backend and the JAX suite at constraints-min.txt (the
+# torch floor is the newest pin, so the torch suite runs once, in test-all). .ci/run calls it after test.
+test-min: $(MIN_VENV)/.stamp
+	@TIMEFORMAT='make test-min: %0R s wall, %0U s user + %0S s system CPU'; time ( set -e; \
+	for backend in tensorflow jax torch; do \
+		AMPBRIDGE_REQUIRE=all KERAS_BACKEND=$$backend $(MIN_VENV)/bin/python -m pytest -q tests/backend_keras; \
+	done; \
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(MIN_VENV)/bin/python -m pytest -q tests/backend_jax )
+
 bench: $(VENV)/.stamp
 	$(VENV)/bin/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) $(CORE_VENV) build *.egg-info
+	rm -rf $(VENV) $(CORE_VENV) $(MIN_VENV) build *.egg-info

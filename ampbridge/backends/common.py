@@ -10,8 +10,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FunctionType, ModuleType
@@ -64,12 +66,28 @@ def resolve_policy(policy: Policy | str | os.PathLike[str], framework: str, devi
 def import_framework(module: str, backend: str) -> ModuleType:
     """Import a backend's framework, or raise the ``BackendUnavailableError`` naming its extra."""
     try:
-        return importlib.import_module(module)
+        imported = importlib.import_module(module)
     except ImportError as e:
         extra = EXTRAS.get(module.split(".")[0], backend)
         raise BackendUnavailableError(
             f"ampbridge.{backend} needs {module.split('.')[0]!r}, which is not installed ({e}). "
             f"Install with: pip install 'ampbridge[{extra}]'") from e
+    checked_release(module.split(".")[0])
+    if module == "keras":  # and the framework Keras computes with
+        checked_release({"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(
+            imported.backend.backend(), "keras"))
+    return imported
+
+
+@functools.lru_cache(maxsize=None)
+def checked_release(name: str) -> None:
+    """Once per process: refuse ``name`` older than its tested floor, warn when newer than tested
+    (:func:`ampbridge.backends.private_hooks.check_release`). ``name`` must be imported already."""
+    from .private_hooks import TESTED, check_release
+
+    version = getattr(sys.modules.get(name), "__version__", None)
+    if name in TESTED and isinstance(version, str):
+        check_release(name, version)
 
 
 def doctests(namespace: dict[str, Any]) -> dict[str, Any]:

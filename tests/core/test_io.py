@@ -111,13 +111,15 @@ def test_misspelt_keys_get_did_you_mean():
 
 
 def test_syntax_errors_are_policy_errors_with_lines(tmp_path):
-    cases = {"bad.toml": ("a = 1\nb = = 2\n", 2), "bad.json": ('{\n  "a": 1,\n}\n', 3),
-             "bad.yaml": ("a: [1, 2\nb: 3\n", 2)}
-    for name, (text, line) in cases.items():
+    # a trailing comma: Python < 3.13 reports the "}" (line 3, "Expecting property name"), 3.13+
+    # the comma itself (line 2, "Illegal trailing comma"); both name the file and a line
+    cases = {"bad.toml": ("a = 1\nb = = 2\n", {2}), "bad.json": ('{\n  "a": 1,\n}\n', {2, 3}),
+             "bad.yaml": ("a: [1, 2\nb: 3\n", {2})}
+    for name, (text, lines) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(PolicyError) as info:
             ampbridge.load(tmp_path / name)
-        assert info.value.line == line, name
+        assert info.value.line in lines, name
         assert info.value.file == str(tmp_path / name)
 
 

@@ -36,11 +36,13 @@ MATMUL_PRECISION = {"highest": "highest", "high": "high", "medium": "default"}
 
 def _require(module: str, what: str) -> Any:
     try:
-        return importlib.import_module(module)
+        imported = importlib.import_module(module)
     except ImportError as e:
         raise BackendUnavailableError(
             f"ampbridge.jax.{what} requires {module.split('.')[0]!r} ({e}). "
             "Install with: pip install 'ampbridge[jax]'") from e
+    _common.checked_release(module.split(".")[0])  # flax, optax: within the tested releases
+    return imported
 
 
 def _linen() -> Any:
@@ -116,7 +118,13 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
         >>> resolve_policy("mixed_bfloat16")[0].compute_dtype
         'bfloat16'
     """
-    return _common.resolve_policy(policy, FRAMEWORK, _device, warn=warn)
+    resolved, notes = _common.resolve_policy(policy, FRAMEWORK, _device, warn=warn)
+    wire = {p.reduce_dtype for p in [resolved] + [ph.policy for ph in resolved.phases] if p.reduce_dtype != p.param_dtype}
+    if wire:  # nothing in a model decides the all-reduce: say where reduce_dtype is realised
+        notes += (f"reduce_dtype {'/'.join(sorted(wire))} (not param_dtype) is realised where gradients are "
+                  "all-reduced with ampbridge.jax.pmean_grads or data_parallel_value_and_grad; a bare "
+                  "lax.pmean or a sharded jit's own all-reduce runs in the gradients' dtype",)
+    return resolved, notes
 
 
 def _phase_policy(policy: Policy, step: int | None = None, epoch: int | None = None) -> Policy:
