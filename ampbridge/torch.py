@@ -1,4 +1,5 @@
-"""``ampbridge.torch``, the PyTorch backend: ``apply``, ``plan``, ``GradScaler``, ``Monitor``, ``fsdp_policy``.
+"""``ampbridge.torch``, the PyTorch backend: ``apply``, ``plan``, ``GradScaler``, ``Monitor``, ``fsdp_policy``,
+and the trainers' integrations ``hf_trainer``, ``lightning_precision``, ``fabric_precision``.
 
 The implementation lives in ampbridge/backends/torch/ (one module per job; see its ``__init__``).
 """

@@ -116,3 +116,60 @@ def test_resume_in_a_fresh_process_is_identical(tmp_path):
     state = full["amp"]["loss_scale"]
     assert state["skipped"] >= 2 and state["steps"] == 24  # the scaler's state really moved
     assert set(state) == {"scale", "good_steps", "hysteresis_left", "steps", "skipped"}
+
+
+def _docs_recipe():
+    """The checkpoint code docs/torch.md shows (the block defining ``rng_state``), run as written."""
+    text = (ROOT / "docs" / "torch.md").read_text()
+    block = next(b.split("\n", 1)[1] for b in text.split("```python")[1:] if "def rng_state" in b)
+    namespace: dict = {}
+    exec(compile(block.split("```", 1)[0], "docs/torch.md", "exec"), namespace)
+    return namespace
+
+
+def test_resume_with_dropout_is_exact_with_the_documented_rng_state(tmp_path):
+    import random
+
+    import numpy as np
+
+    import ampbridge
+    import ampbridge.torch as abt
+
+    recipe = _docs_recipe()
+    nn = torch.nn
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.3), nn.LayerNorm(32), nn.Linear(32, 4))
+        amp = abt.apply(model, ampbridge.Policy(compute_dtype="float16", keep_float32=("kind:norm",)))
+        return model, amp, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model, amp, opt, start, stop):
+        for step in range(start, stop):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(6, 8, generator=g) * (1 + np.random.rand() + random.random())  # all three RNGs
+            with amp.autocast():
+                loss = model(x).float().pow(2).mean()
+            amp.step(loss, opt)
+            opt.zero_grad()
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    model, amp, opt = build()
+    train(model, amp, opt, 0, 6)
+    full = [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    model, amp, opt = build()
+    train(model, amp, opt, 0, 3)
+    recipe["save"](tmp_path / "ckpt.pt", model, opt, amp)
+    for restore in (True, False):
+        torch.manual_seed(99), np.random.seed(99), random.seed(99)  # a fresh process's generators
+        model, amp, opt = build()
+        if restore:
+            recipe["resume"](tmp_path / "ckpt.pt", model, opt, amp)
+        else:  # everything but the generators
+            ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+            model.load_state_dict(ckpt["model"]), opt.load_state_dict(ckpt["opt"]), amp.load_state_dict(ckpt["amp"])
+        train(model, amp, opt, 3, 6)
+        same = all(torch.equal(a, b) for a, b in zip(full, model.parameters()))
+        assert same == restore

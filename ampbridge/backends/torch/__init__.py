@@ -15,33 +15,41 @@ from ..common import doctests, import_framework
 import_framework("torch", "torch")
 
 # the rooms, in layers: environment -> layers -> forward -> plan -> monitor -> loss_scale -> schedule
-# -> trace -> apply -> distributed (the room modules apply, plan and layers are shadowed here by the
+# -> trace -> apply -> distributed -> trainers (the room modules apply, plan and layers are shadowed here by the
 # functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
 from .apply import ModelNotSupportedError, TorchAmp, apply, plan  # noqa: E402
-from .distributed import FSDPPrecision, fsdp_policy  # noqa: E402
+from .distributed import FSDPPrecision, deepspeed_initialize, fsdp_policy, wrap_ddp, wrap_fsdp  # noqa: E402
 from .environment import DTYPES, cpu_lstm_takes_float32_inputs, native_dtype  # noqa: E402
 from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noqa: E402
 from .loss_scale import GradScaler, StepResult  # noqa: E402
 from .monitor import Monitor  # noqa: E402
+from .trainers import HFTrainerMixin, fabric_precision, hf_trainer, lightning_precision  # noqa: E402
 
 __all__ = [
     "DTYPES",
     "FSDPPrecision",
     "GradScaler",
+    "HFTrainerMixin",
     "ModelNotSupportedError",
     "Monitor",
     "StepResult",
     "TorchAmp",
     "apply",
     "cpu_lstm_takes_float32_inputs",
+    "deepspeed_initialize",
+    "fabric_precision",
     "fsdp_policy",
+    "hf_trainer",
     "kind_and_source",
     "kind_of",
     "layers",
+    "lightning_precision",
     "native_dtype",
     "owns",
     "plan",
     "register_kind",
+    "wrap_ddp",
+    "wrap_fsdp",
 ]
 
 __test__ = doctests(globals())  # the rooms' examples, for doctest.testmod(ampbridge.torch)

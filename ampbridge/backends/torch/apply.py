@@ -43,7 +43,7 @@ from ...core.policy import Policy
 from ...errors import AmpBridgeError, AmpBridgeWarning
 from ..common import environment
 from .environment import _device_type_of, _resolve_for_device
-from .forward import _install, _installed, _keep_slow_path, _matmul_precision, _region, _uninstall
+from .forward import _install, _installed, _keep_slow_path, _matmul_precision, _MhaSlowPath, _region, _uninstall
 from .layers import layers
 from .loss_scale import GradScaler, StepResult
 from .monitor import Monitor
@@ -127,6 +127,7 @@ class TorchAmp:
         self._unit = policy.phase_unit
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._last_optimizers: list[Any] = []
+        self._micro_batches = 0  # backward passes since the last optimizer step (amp.step's accumulate)
         self._phase_index = policy.phase_index(step=0, epoch=0) if policy.phases else None
         phase_policy = policy.at(step=0, epoch=0)
         resolved, notes = _resolve_for_device(phase_policy, device_type)
@@ -199,6 +200,13 @@ class TorchAmp:
                        for path, module in modules.items() if isinstance(module, nn.TransformerEncoderLayer)
                        and (realisation.plan[path].compute_dtype != "float32"
                             or any(p != path and (not path or p.startswith(path + ".")) for p in realisation.specs))]
+        # MultiheadAttention's own fused eval path ignores CPU autocast too, and torch.compile never takes it
+        if self.device_type == "cpu":
+            for path, module in modules.items():
+                if isinstance(module, nn.MultiheadAttention) and realisation.plan[path].compute_dtype != "float32":
+                    slow = _MhaSlowPath()
+                    self._hooks.append(module.register_forward_pre_hook(slow.before))
+                    self._hooks.append(module.register_forward_hook(slow.after, always_call=True))
 
     def _uninstall(self) -> None:
         for _, module in self.model.named_modules():
@@ -241,21 +249,62 @@ class TorchAmp:
         with _matmul_precision(root.matmul_precision), _region(self.device_type, root.region):
             yield
 
-    def step(self, loss: torch.Tensor, optimizer: Any | Sequence[Any]) -> StepResult:
-        """Scale, backward, unscale, skip or step, update; True (truthy) when the step was applied.
+    def step(self, loss: torch.Tensor, optimizer: Any | Sequence[Any], *, clip_grad_norm: float | None = None,
+             accumulate: int = 1) -> StepResult:
+        """Scale, backward, unscale, (clip,) skip or step, update; truthy when the step was applied.
 
         ``optimizer`` may be a sequence of optimizers sharing one loss. Gradients are not zeroed.
+        ``clip_grad_norm``: ``scaler.unscale_`` each optimizer, then ``clip_grad_norm_`` over all
+        their parameters together (the norm is ``result.grad_norm``, a tensor: no sync).
+        ``accumulate = N``: the loss is divided by N and only every N-th call steps; the others
+        only run the backward (``result.accumulating``). Both are bit-identical to the torch.amp
+        loop written by hand (``loss / N`` before ``scaler.scale``). Zero the gradients after a call
+        that was not accumulating:
+
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 2)
+        >>> amp = apply(model, "mixed_float16")
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> for i in range(4):
+        ...     with amp.autocast():
+        ...         loss = model(torch.ones(3, 4)).float().pow(2).mean()
+        ...     result = amp.step(loss, opt, clip_grad_norm=1.0, accumulate=2)
+        ...     if not result.accumulating:
+        ...         opt.zero_grad()
+        >>> amp.scaler.loss_scale_state().steps, float(result.grad_norm) > 0
+        (2, True)
         """
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise ValueError(f"accumulate must be an integer >= 1 (micro-batches per optimizer step); "
+                             f"received {accumulate!r}")
+        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
+                                               and not isinstance(clip_grad_norm, bool) and clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a number > 0 (the max norm) or None; received {clip_grad_norm!r}")
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         if optimizers != self._last_optimizers:
             self._optimizers.update(optimizers)
             self._last_optimizers = optimizers
+        if accumulate > 1:
+            loss = loss / accumulate
+        self._micro_batches += 1
         with _matmul_precision(self._resolved.matmul_precision):
             self.scaler.scale(loss).backward()
+            if self._micro_batches < accumulate:
+                return StepResult(False, accumulating=True)
+            self._micro_batches = 0
+            norm = None
+            if clip_grad_norm is not None:
+                for opt in optimizers:
+                    self.scaler.unscale_(opt)
+                params = list({id(p): p for opt in optimizers for group in opt.param_groups
+                               for p in group["params"]}.values())
+                norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
             for opt in optimizers:
                 self.scaler.step(opt)
             self.scaler.update()
         result = self.scaler.last_step_result
+        if norm is not None:
+            result = result.with_grad_norm(norm)
         after_step(self)
         return result
 

@@ -2,7 +2,7 @@
 autocast), its input, parameter and output casts, and installing and removing it.
 
 Holds ``_Spec``, ``_Forward``, ``_install``, ``_uninstall``, ``_installed``, ``_region``,
-``_matmul_precision`` and ``_keep_slow_path``.
+``_matmul_precision``, ``_keep_slow_path`` and ``_MhaSlowPath``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ class _Spec(NamedTuple):
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    # .to(dtype) unconditionally (it returns the tensor itself when the dtype is equal): a cast decided
+    # by comparing dtypes would be decided at trace time under torch.compile, from a fake tensor whose
+    # dtype can differ from the real one (a fused kernel's output under CPU autocast)
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        return value.to(dtype) if value.is_floating_point() else value
     if value is None or isinstance(value, (int, float, bool, str)):
         return value
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t,
-                         value)
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def _region(device_type: str, dtype: torch.dtype | None) -> Any:
@@ -96,13 +98,21 @@ class _Forward:
     def __init__(self, module: nn.Module, spec: _Spec, previous: Any):
         self.module, self.spec, self.previous = module, spec, previous
 
+    @property
+    def __wrapped__(self) -> Any:
+        # the forward this one runs, so inspect.signature(model.forward) is the model's own: Trainer's
+        # remove_unused_columns and loss-kwargs check and Lightning read the names there; computed per
+        # access, as in __call__ (FSDP2 swaps the class). Nothing else is forwarded (__self__, __func__,
+        # __code__): Dynamo reads them off a forward and would trace the model's own, without the regions
+        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # kept flat (this runs for every pinned module on every forward): no helper frames on the
         # common path of tensor arguments, one region, no parameter presentation
         spec, module = self.spec, self.module
         dtype = spec.input_dtype
         if dtype is not None:
-            args = tuple((a.to(dtype) if a.is_floating_point() and a.dtype != dtype else a)
+            args = tuple((a.to(dtype) if a.is_floating_point() else a)  # unconditional: see _cast_floating
                          if isinstance(a, torch.Tensor) else _cast_floating(a, dtype) for a in args)
             if kwargs:
                 kwargs = {k: _cast_floating(v, dtype) for k, v in kwargs.items()}
@@ -130,13 +140,38 @@ class _Forward:
         if dtype is None:
             return out
         if isinstance(out, torch.Tensor):
-            return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
+            return out.to(dtype) if out.is_floating_point() else out
         return _cast_floating(out, dtype)
 
 
 def _keep_slow_path(module: nn.Module, args: Any) -> None:
     """A no-op forward pre-hook: TransformerEncoderLayer skips its fused eval fast path (which would
     bypass its children's forwards, and with them their rules) while any hook is attached."""
+
+
+class _MhaSlowPath:
+    """Forward pre-hook and always-called forward hook that keep a ``MultiheadAttention`` off its
+    fused eval path for its call (``torch.backends.mha.set_fastpath_enabled``, restored after).
+
+    That path checks CUDA's autocast only: under CPU autocast it runs a float32 query through one
+    fused kernel (autocast reaching some of its inner ops), while torch.compile always takes the
+    ordinary path (per-op autocast, as the Plan says), so eager and compiled outputs would differ.
+    Inside a compiled region the hooks do nothing (the compiled code takes that path already).
+    """
+
+    __slots__ = ("previous",)
+
+    def __init__(self) -> None:
+        self.previous: list[bool] = []
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.previous.append(torch.backends.mha.get_fastpath_enabled())
+            torch.backends.mha.set_fastpath_enabled(False)
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling() and self.previous:
+            torch.backends.mha.set_fastpath_enabled(self.previous.pop())
 
 
 def _call_with_params(module: nn.Module, dtype: torch.dtype, inner: Any, args: tuple[Any, ...],

@@ -20,11 +20,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ...core.loss_scale import LossScaleState, enter_phase, f32, initial_state
 from ...core.policy import LossScaleConfig
-from ...errors import AmpBridgeWarning, LossScaleError
+from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
+from ..private_hooks import tested_range
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -67,6 +69,8 @@ class GradScaler(torch.amp.GradScaler):
         self._at_min_read: bool | None = None
         self._last_result: StepResult = _APPLIED
         self._monitor: Monitor | None = None  # fed by scale(), the unscale and update()
+        self._agree_group: tuple[Any] | None = None  # (process group,): found_inf all-reduced there
+        self._step_verified = False  # the first-step guard (_verified_step) has passed
 
     # configuration
 
@@ -110,7 +114,17 @@ class GradScaler(torch.amp.GradScaler):
         if self._monitor is not None:  # the gradients as backward left them: still scaled
             self._monitor._saw_grads(self._scale, self._steps)
         # param_dtype = float16 means float16 gradients: the policy asked for them
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
+        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
+        if self._agree_group is not None:  # every rank skips together (agree_across)
+            for flag in found.values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._agree_group[0])
+        return found
+
+    def agree_across(self, group: Any = None) -> None:
+        """All-reduce ``found_inf`` (MAX) over ``group`` (None: the default group) at every unscale,
+        so an overflow on any rank skips the step, and moves the scale, on every rank: one scalar
+        all-reduce per optimizer and step. ``wrap_ddp`` and ``FSDPPrecision.shard`` call it."""
+        self._agree_group = (group,)
 
     # stepping
 
@@ -135,6 +149,8 @@ class GradScaler(torch.amp.GradScaler):
         return None if overflow else optimizer.step(*args, **kwargs)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if not getattr(self, "_step_verified", False):  # (a scaler unpickled from an older ampbridge)
+            return self._verified_step(optimizer, *args, **kwargs)
         if self._monitor is not None and not self._enabled:  # nothing is unscaled: scale 1
             self._monitor._saw_grads(None, self._host_steps)
         if (self._enabled and not self.config.skip_nonfinite
@@ -142,6 +158,44 @@ class GradScaler(torch.amp.GradScaler):
                 and "grad_scaler" not in inspect.signature(optimizer.step).parameters):
             return self._fused_step_applying_all(optimizer, *args, **kwargs)
         return super().step(optimizer, *args, **kwargs)
+
+    def _verified_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """The first ``step``, checked once (issue 22): a finite step must run ``optimizer.step``
+        (seen by a public step post-hook, removed right after), else torch's ``GradScaler`` changed
+        under ampbridge's overrides and training would silently not update: raises
+        :class:`ampbridge.errors.UnsupportedOptionError` naming the torch version. No extra host
+        sync when the step ran; a step skipped for an overflow proves nothing (the next is checked)."""
+        # a wrapper (accelerate's AcceleratedOptimizer: an Optimizer subclass that never ran its
+        # __init__, so it has no hook lists) steps the torch optimizer it holds: observe that one
+        inner = getattr(optimizer, "optimizer", None)
+        register = getattr(inner if isinstance(inner, torch.optim.Optimizer) else optimizer,
+                           "register_step_post_hook", None)
+        if register is None:  # not a torch.optim.Optimizer: nothing to observe
+            self._step_verified = True
+            return self.step(optimizer, *args, **kwargs)
+        ran: list[bool] = []
+        handle = register(lambda *_: ran.append(True))
+        self._step_verified = True
+        try:
+            out = self.step(optimizer, *args, **kwargs)
+        except BaseException:
+            self._step_verified = False
+            raise
+        finally:
+            handle.remove()
+        if ran:
+            return out
+        overflow = self._found_read.get(id(optimizer))
+        if overflow is None and self._enabled and self.config.skip_nonfinite:
+            flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+            overflow = any(bool(f.item()) for f in flags)
+        self._step_verified = False
+        if overflow:
+            return out
+        raise UnsupportedOptionError(
+            f"ampbridge.torch.GradScaler: a finite step did not run optimizer.step on torch "
+            f"{torch.__version__}, so training would not update the weights; ampbridge supports "
+            f"{tested_range('torch')}")
 
     def _fused_step_applying_all(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # torch's fused branch, except the optimizer is told nothing overflowed: skip_nonfinite = false
@@ -320,8 +374,11 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled and self._per_optimizer_states:
             raise AssertionError("A GradScaler instance may only be pickled at the beginning of an iteration, "
                                  "or at the end after scaler.update().")
-        state["_pending"] = self.loss_scale_state()
+        pending = state["_pending"] = self.loss_scale_state()
+        # torch's get_scale() and lazy init read these while the tensors are not yet re-created
+        state["_init_scale"], state["_init_growth_tracker"] = pending.scale, pending.good_steps
         state["_monitor"] = None  # a log file stays with its process
+        state["_agree_group"] = None  # a process group stays with its process: call agree_across again
         for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped"):
             state[name] = None
         state["_last_result"] = _APPLIED
@@ -342,13 +399,22 @@ class StepResult:
 
     On the ordinary path the answer is already on the host (``scaler.step`` read it); after a
     fused optimizer (or several devices) ``bool(result)`` costs one sync, so a loop that ignores
-    the result keeps torch's no-sync path.
+    the result keeps torch's no-sync path. ``accumulating``: ``amp.step(..., accumulate=N)`` only
+    ran the backward (no step was due); ``grad_norm``: the norm ``clip_grad_norm`` measured (a
+    tensor, before clipping; None without clipping).
     """
 
-    __slots__ = ("_value",)
+    __slots__ = ("_value", "accumulating", "grad_norm")
 
-    def __init__(self, value: bool | torch.Tensor):
+    def __init__(self, value: bool | torch.Tensor, *, accumulating: bool = False,
+                 grad_norm: torch.Tensor | None = None):
         self._value = value
+        self.accumulating = accumulating
+        self.grad_norm = grad_norm
+
+    def with_grad_norm(self, norm: torch.Tensor) -> "StepResult":
+        """This result carrying ``norm`` (a new object: the shared constants stay as they are)."""
+        return StepResult(self._value, grad_norm=norm)
 
     def __bool__(self) -> bool:
         if isinstance(self._value, torch.Tensor):
@@ -362,7 +428,7 @@ class StepResult:
         return hash(bool(self))
 
     def __repr__(self) -> str:
-        return f"StepResult({bool(self)})"
+        return "StepResult(accumulating)" if self.accumulating else f"StepResult({bool(self)})"
 
 
 _APPLIED, _SKIPPED = StepResult(True), StepResult(False)

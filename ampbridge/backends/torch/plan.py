@@ -272,6 +272,9 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
         if not cpu_lstm_runs(compute, compute):
             return compute, compute, (f"cpu LSTM cannot run under {compute} autocast on this CPU (oneDNN has no "
                                       f"{compute} LSTM here, whatever its inputs): pin it (keep_float32)"), False
+        if cast_inputs:  # its own rule's region casts them: nothing left for the user to do
+            return compute, compute, (f"inputs cast to {compute} (cpu LSTM under {compute} autocast needs them "
+                                      f"on this CPU: oneDNN)"), False
         return compute, compute, (f"cpu LSTM under {compute} autocast needs {compute} inputs on this CPU "
                                   f"(oneDNN); pin it or feed {compute}"), False
     return compute, compute, "", False
