@@ -41,7 +41,11 @@ def test_pins_become_their_own_units(tiny):
                                Rule(("head",), output_dtype="float32")))
     fsdp = abt.fsdp_policy(policy, tiny)
     # the same units `ampbridge convert --to fsdp` names (recipes.to_fsdp, given this backend's Plan)
-    assert set(fsdp.pinned) == {"ln1", "ln2", "ln3", "fc1", "head"}
+    assert set(fsdp.pinned) == {"ln1", "ln2", "ln3", "fc1", "head", "embed"}
+    # the Embedding has no rule, but the Plan computes it in float32 (autocast leaves lookups): FSDP
+    # would all-gather it in float16 as part of the root, so it is a unit of its own
+    assert fsdp.pinned["embed"].param_dtype == torch.float32
+    assert any(n.startswith("embed: the Plan computes it in float32") for n in fsdp.notes)
     assert fsdp.pinned["ln1"] == MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                                       output_dtype=torch.float32)
     assert fsdp.pinned["head"].param_dtype == torch.float16 and fsdp.pinned["head"].output_dtype == torch.float32

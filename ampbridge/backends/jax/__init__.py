@@ -27,6 +27,8 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
   (``batch_stats``) as it was on a skipped step.
 - :func:`plan` / :func:`owns` for ``ampbridge.plan(module, policy, *example_inputs)``.
 - :class:`Schedule`: precision phases (``[[phase]]``), one jitted step per phase.
+- :func:`pmean_grads` (in ``shard_map``/``pmap``) and :func:`data_parallel_value_and_grad` (a sharded
+  ``jit``): the data-parallel gradient all-reduce in ``reduce_dtype``; :func:`replicate`.
 
 Rooms: ``environment`` (dtypes, device, the policy that runs), ``layers`` (kinds, rows),
 ``cast`` (pytrees), ``watch`` (the probes of :func:`numerics`), ``linen`` and ``nnx`` (each
@@ -75,6 +77,7 @@ from .loss_scale import (  # noqa: E402
     unscale,
     value_and_grad,
 )
+from .distributed import data_parallel_value_and_grad, pmean_grads, replicate  # noqa: E402
 from .monitor import Monitor, Numerics, numerics  # noqa: E402
 from .plan import plan  # noqa: E402
 from .schedule import Schedule  # noqa: E402
@@ -94,6 +97,7 @@ __all__ = [
     "cast_to_output",
     "cast_to_param",
     "check",
+    "data_parallel_value_and_grad",
     "dtype",
     "enter_phase",
     "initial_loss_scale",
@@ -103,7 +107,9 @@ __all__ = [
     "optimizer",
     "owns",
     "plan",
+    "pmean_grads",
     "register_kind",
+    "replicate",
     "reset_loss_scale",
     "resolve_policy",
     "rollback",
