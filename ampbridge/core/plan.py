@@ -6,9 +6,13 @@ one :class:`PlanRow` per layer. Resolution, per layer:
 
 1. the *last* rule (``keep_float32`` entries first, then ``[[override]]`` tables, in file
    order) that matches the layer itself decides it;
-2. otherwise the layer inherits the decision of its nearest ancestor that a rule matched
-   (pinning ``decoder`` pins everything inside it, as torch's autocast-disabled region would);
-3. otherwise the policy's own dtypes apply (``default``).
+2. otherwise, where the model's author fixed the layer's dtypes (``Layer.fixed``: Keras's
+   ``Activation("softmax", dtype="float32")``, a Flax module's hard-coded dtype), they stay
+   (the row's rule: ``set by the model``);
+3. otherwise the layer inherits the decision of its nearest ancestor that a rule matched, or
+   whose dtypes the author fixed (pinning ``decoder`` pins everything inside it, as torch's
+   autocast-disabled region would);
+4. otherwise the policy's own dtypes apply (``default``).
 
 A rule leaves out a dtype to take the policy's: ``compute_dtype`` and ``param_dtype`` default
 to the policy's, ``output_dtype`` to the row's compute dtype (a layer emits what it computes).
@@ -48,7 +52,8 @@ class Layer:
     None; ``param_count`` counts the parameters the layer owns itself (not its children's);
     ``kind_source`` says how the kind was decided (``"framework class"``, ``"class name"``,
     ``"base class LlamaRMSNorm"``, ``"structure: ..."``, ``"registered"``, ``"[kinds] table"``; see
-    :mod:`ampbridge.core.kinds`).
+    :mod:`ampbridge.core.kinds`); ``fixed`` is the (compute, param) dtype pair the model's author
+    fixed for this layer in code, or None: kept unless a rule matches the layer itself.
     """
 
     path: str
@@ -56,6 +61,7 @@ class Layer:
     class_name: str = ""
     param_count: int = 0
     kind_source: str | None = None
+    fixed: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in KINDS:
@@ -64,7 +70,8 @@ class Layer:
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One layer of the Plan. ``rule`` is ``"default"``, ``"keep_float32[i]"`` or ``"override[i]"``."""
+    """One layer of the Plan. ``rule`` is ``"default"``, ``"keep_float32[i]"``, ``"override[i]"`` or
+    ``"set by the model"`` (dtypes the model's author fixed in code)."""
 
     path: str
     kind: str | None
@@ -208,6 +215,15 @@ class Plan:
         return sorted(out)
 
 
+#: the rule of a row whose dtypes the model's author fixed (:attr:`Layer.fixed`)
+BY_MODEL = "set by the model"
+_BY_MODEL = -2  # its decision's index (rules count from 0; -1 is "no rule")
+
+
+def _or_fixed(decided: tuple[int, Any] | None, layer: Layer) -> tuple[int, Any] | None:
+    return decided if decided is not None or layer.fixed is None else (_BY_MODEL, layer.fixed)
+
+
 class _RuleIndex:
     """Finds the last rule matching a layer without trying every rule on every layer.
 
@@ -310,8 +326,12 @@ class RowResolver:
         return {i for i in among if any(p.matches(layer.path, layer.kind, layer.class_name)
                                         for p in self.compiled[i][2])}
 
-    def make_row(self, layer: Layer, decided: tuple[int, str] | None, inherited: str | None) -> PlanRow:
+    def make_row(self, layer: Layer, decided: tuple[int, Any] | None, inherited: str | None) -> PlanRow:
         policy = self.policy
+        if decided is not None and decided[0] == _BY_MODEL:
+            compute, param = decided[1]
+            return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count, compute, param, compute,
+                           BY_MODEL, None, inherited, kind_source=layer.kind_source)
         if decided is None:
             return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count,
                            policy.compute_dtype, policy.param_dtype, policy.compute_dtype,
@@ -328,11 +348,11 @@ class RowResolver:
         if self.kinds:
             chain = [self.layer(link) for link in chain]
         layer = chain[-1]
-        decided = self._cached_decision(layer)
+        decided = _or_fixed(self._cached_decision(layer), layer)
         if decided is not None:
             return self.make_row(layer, decided, None)
         for ancestor in reversed(chain[:-1]):
-            decided = self._cached_decision(ancestor)
+            decided = _or_fixed(self._cached_decision(ancestor), ancestor)
             if decided is not None:
                 return self.make_row(layer, decided, ancestor.path)
         return self.make_row(layer, None, None)
@@ -354,12 +374,14 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     policy = resolver.policy
     compiled = resolver.compiled
     pending = set(range(len(compiled)))  # rules not yet seen matching any layer
-    decisions: dict[str, tuple[int, str]] = {}  # path -> (rule index, matching pattern)
+    decisions: dict[str, tuple[int, Any]] = {}  # path -> (rule index, matching pattern) or (_BY_MODEL, fixed)
     for layer in layers:
         decided = resolver.decision(layer)
         if decided is not None:
             decisions[layer.path] = decided
             pending.discard(decided[0])
+        elif layer.fixed is not None:
+            decisions[layer.path] = (_BY_MODEL, layer.fixed)
         # a rule that loses to a later one still counts as matching (it is not a typo)
         if pending:
             pending -= resolver.matching(layer, pending)

@@ -25,7 +25,6 @@ def _restore_keras_globals():
 
 def _helpers():
     keras = require("keras")
-    import ampbridge
     import ampbridge.keras as ak
 
     L = keras.layers

@@ -251,7 +251,7 @@ def test_save_load_continue_equals_uninterrupted(kx, tmp_path):
     model.save(tmp_path / "run.keras")
     saved_state = model.optimizer.state
     resumed = ak.load_model(tmp_path / "run.keras")
-    assert type(resumed.optimizer) is ak.LossScaleOptimizer and resumed.optimizer.state == saved_state
+    assert isinstance(resumed.optimizer, ak.LossScaleOptimizer) and resumed.optimizer.state == saved_state
     assert resumed.optimizer.loss_scale_config == model.optimizer.loss_scale_config
     resumed.fit(x, y, epochs=2, **fit)
 
@@ -278,7 +278,7 @@ def test_weights_checkpoint_carries_loss_scale_state(kx, tmp_path):
 def test_config_round_trip_and_bad_input():
     opt = ak.optimizer(keras.optimizers.Adam(3e-4), with_loss_scale(ODD))
     clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
-    assert type(clone) is ak.LossScaleOptimizer and clone.loss_scale_config == ODD
+    assert isinstance(clone, ak.LossScaleOptimizer) and clone.loss_scale_config == ODD
     assert clone.policy == opt.policy and float(clone.inner_optimizer.learning_rate) == pytest.approx(3e-4)
     with pytest.raises(TypeError, match="already scales the loss"):
         ak.optimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), MIXED)

@@ -39,7 +39,7 @@ from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noq
 from .loss_scale import LossScaleCallback, LossScaleOptimizer, optimizer  # noqa: E402
 from .monitor import Monitor, MonitorCallback  # noqa: E402
 from .plan import MixedDTypePolicy, dtype_policy, plan  # noqa: E402
-from .saving import load_model  # noqa: E402
+from .saving import load_model, stored_policy  # noqa: E402
 from .schedule import PhaseCallback  # noqa: E402
 
 __all__ = [
@@ -64,4 +64,5 @@ __all__ = [
     "resolve_policy",
     "scope",
     "set_matmul_precision",
+    "stored_policy",
 ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -19,10 +21,10 @@ from keras import ops
 from ...core.matching import compile_pattern
 from ...core.plan import build_plan
 from ...core.policy import Policy
-from ...errors import UnsupportedOptionError
+from ...errors import UnsupportedOptionError, warn_once
 from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
-from .layers import _describe, kind_of, layers
-from .plan import _FLOATS, _same_policy, dtype_policy
+from .layers import _AUTHOR, _AUTO, _describe, kind_of, layers
+from .plan import _FLOATS, _same_policy, _stream_returns, dtype_policy
 
 
 # --- apply ------------------------------------------------------------------------------------
@@ -117,6 +119,14 @@ def _recast_variables(layer: Any, old_dtype: str, new_dtype: str) -> bool:
     return changed
 
 
+def _recast_constants(layer: Any) -> None:
+    """A built ``Normalization`` caches its mean and variance cast to its compute dtype (Keras does it
+    once, when it builds or adapts): cast them to the new one, as building under it would have."""
+    if isinstance(layer, keras.layers.Normalization) and getattr(layer, "mean", None) is not None:
+        layer.mean = ops.cast(layer.mean, layer.compute_dtype)
+        layer.variance = ops.cast(layer.variance, layer.compute_dtype)
+
+
 def _refresh_torch_params(model: Any) -> None:
     # torch.nn.Module keeps its own ParameterDict of the variables' tensors
     for _, layer in layers(model):
@@ -156,6 +166,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     described, by_path = _describe(model)
     requested = build_plan(described, active, framework="keras", warn=warn)
     optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
+    returns = _stream_returns(active, by_path)
     recast = False
     for row in requested:
         layer = by_path[row.path]
@@ -167,7 +178,10 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
             continue
         new = dtype_policy(row.compute_dtype, row.param_dtype)
         old_variable_dtype = layer.variable_dtype
-        if not _same_policy(layer.dtype_policy, new):
+        current = layer.dtype_policy
+        if isinstance(current, keras.dtype_policies.DTypePolicyMap) and layer.path:
+            current = current[layer.path]  # the layer's own entry (or the map's default)
+        if not _same_policy(current, new):
             if layer.built and old_variable_dtype != row.param_dtype and (
                     layer._trainable_variables or layer._non_trainable_variables):
                 if optimizer_built:
@@ -178,7 +192,14 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
                         "ampbridge.keras.scope(policy)")
                 recast |= _recast_variables(layer, old_variable_dtype, row.param_dtype)
             layer.dtype_policy = new
+            _recast_constants(layer)
         wanted = policy.output_dtype if row.path == "" else row.output_dtype
+        stream = returns(row)  # called from a layer's code into a stream of another dtype
+        if stream is not None and _backend() == "tensorflow":
+            warn_once(f"layer {row.path!r} returns {row.output_dtype} into {stream[1] or 'the model'}'s "
+                      f"{stream[0]} code; TensorFlow does not promote a raw {stream[0]} + {row.output_dtype} "
+                      f"(an [[override]] with output_dtype = \"{stream[0]}\" returns it to the stream)",
+                      key=f"stream:{id(model)}:{row.path}")
         # Keras layers emit their compute dtype; a composite layer emits whatever its last
         # sublayer does (a pinned norm at the end of an unpinned block: float32), so composites
         # always get the cast (a no-op where the dtype already matches)
@@ -190,6 +211,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         _refresh_torch_params(model)
     try:
         object.__setattr__(model, "_ampbridge_policy", policy)
+        _attach_policy_asset(model)
     except AttributeError:  # pragma: no cover - exotic layer classes
         pass
     monitor = model.__dict__.get("_ampbridge_monitor")
@@ -197,6 +219,35 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         monitor._refresh()  # the rows' compute dtypes decide the underflow/overflow thresholds
     _refresh_compiled(model)
     return model
+
+
+_POLICY_ASSET = "ampbridge_policy.json"
+
+
+def _attach_policy_asset(model: Any) -> None:
+    """Make ``model.save`` write the model's policy into the file's assets, for
+    :func:`ampbridge.keras.load_model` (``save_assets`` is the hook Keras's saving calls on
+    every object that has one; an instance attribute here, calling the class's own first)."""
+    if "save_assets" in model.__dict__:
+        return
+    own = getattr(model, "save_assets", None)
+    ref = weakref.ref(model)
+
+    def save_assets(dir_path: Any) -> None:
+        if own is not None:
+            own(dir_path)
+        owner = ref()
+        policy = getattr(owner, "_ampbridge_policy", None)
+        if policy is not None:
+            # the author's dtypes too: a layer made from a saved config cannot tell them apart
+            fixed = {path: list(layer.__dict__[_AUTHOR]) for path, layer in layers(owner)
+                     if layer.__dict__.get(_AUTHOR) is not None}
+            auto = sorted({layer.name for _, layer in layers(owner) if layer.__dict__.get(_AUTO) == layer.name})
+            with open(os.path.join(str(dir_path), _POLICY_ASSET), "w", encoding="utf-8") as f:
+                json.dump({"format": 1, "policy": policy.to_dict(), "set_by_the_model": fixed,
+                           "automatic_names": auto}, f)
+
+    object.__setattr__(model, "save_assets", save_assets)
 
 
 def _rebuild_hook(layer: Any, model: Any, policy: Policy) -> None:

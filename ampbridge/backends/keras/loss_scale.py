@@ -7,16 +7,22 @@ Names: ``LossScaleOptimizer``, ``optimizer``, ``LossScaleCallback``; ``_replicas
 from __future__ import annotations
 
 import functools
+import json
+import os
 import warnings
+import weakref
 from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
+from keras.src import api_export as _api_export
 
 from ...core.loss_scale import LossScaleState, f32, initial_state
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
+from ..private_hooks import tested_range
+from .distributed import agreed_finite, tf_apply
 from .environment import _backend, _phase0, resolve_policy
 from .numerics import _HEAD_SIZE, _ROW_SIZE, _all, _grad_stats, _host, _MonitorSpec, _split_count
 
@@ -62,21 +68,41 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     after each step. Tracing without either is an error rather than a silently ignored setting.
     """
 
-    def __init__(self, inner_optimizer: Any, loss_scale: LossScaleConfig | dict[str, Any] | None = None,
-                 policy: Policy | dict[str, Any] | None = None, name: str | None = None, **kwargs: Any):
-        cfg = _config_from(loss_scale if loss_scale is not None else LossScaleConfig(mode="dynamic"))
+    def __init__(self, inner_optimizer: Any, initial_scale: float | None = None,
+                 dynamic_growth_steps: int | None = None, name: str | None = None,
+                 loss_scale: LossScaleConfig | dict[str, Any] | None = None,
+                 policy: Policy | dict[str, Any] | None = None, **kwargs: Any):
+        # Keras's own arguments mean what they mean there (initial_scale 2**15, growth every
+        # dynamic_growth_steps finite steps, x2 / x0.5); loss_scale carries every other setting
+        if loss_scale is None:
+            cfg = LossScaleConfig(mode="dynamic", initial_scale=2.0**15 if initial_scale is None else initial_scale,
+                                  growth_interval=2000 if dynamic_growth_steps is None else dynamic_growth_steps)
+        else:
+            cfg = _config_from(loss_scale)
+            for key, given, own in (("initial_scale", initial_scale, initial_state(cfg).scale),
+                                    ("dynamic_growth_steps", dynamic_growth_steps, cfg.growth_interval)):
+                if given is not None and float(given) != float(own):
+                    raise ValueError(f"LossScaleOptimizer received {key}={given!r} and loss_scale, whose value is "
+                                     f"{own!r}; pass one of them")
+        cfg = _config_from(cfg)
         start = initial_state(cfg)
         super().__init__(inner_optimizer, initial_scale=start.scale,
                          dynamic_growth_steps=cfg.growth_interval, name=name, **kwargs)
-        # the policy rides along (in get_config, so in .keras files) for load_model to re-apply
+        # the policy rides along (in .keras files: get_config, or an asset) for load_model to re-apply
         self.policy = Policy.from_dict(policy) if isinstance(policy, dict) else policy
         self._config = cfg
+        self._sync_format()
         self.host_checked = False
         self._overflows_seen = 0
         self._jitted_apply = None
+        self._step_verified = False  # the first-step guard (_verified_apply) has passed
+        self._handed: int | None = None  # gradients handed to the inner optimizer (first step only)
         self._monitor: _MonitorSpec | None = None  # set by ampbridge.keras.Monitor
         self._monitor_variables: list[Any] = []
         self._monitor_cache: tuple[tuple[int, ...], Any] | None = None
+        # the state Keras's class has no variable for, as its own entry of a weights file (a
+        # child Keras saves and loads by attribute): Keras's layout stays loadable by Keras
+        object.__setattr__(self, "ampbridge_state", _ExtraState(self))
 
     # --- configuration ---
 
@@ -98,6 +124,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._jitted_apply = None  # the settings are baked into the compiled step
         self.initial_scale = initial_state(config).scale
         self.dynamic_growth_steps = config.growth_interval
+        self._sync_format()
         if before is not None:
             self.set_state(enter_phase(config, before, previous=previous, reset=reset))
 
@@ -105,6 +132,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def build(self, var_list: Any) -> None:
         super().build(var_list)  # step_counter (= good_steps), dynamic_scale, inner optimizer
+        if len(self._trainable_variables) != len(var_list):
+            # Keras < 3.12's LossScaleOptimizer.build skips the base build, which records the
+            # variables our unscaling pairs the gradients with: run it (3.12+ does it itself)
+            super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
         from keras.src.utils import tracking
 
         @tracking.no_automatic_dependency_tracking
@@ -193,6 +224,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _unscale(self, grads: list[Any], scale: Any) -> list[Any]:
         if self._config.mode == "none":
             return list(grads)
+        grads = list(grads)
+        if len(grads) > len(self._trainable_variables):
+            # zip would drop gradients: Keras 3.7-3.11 left _trainable_variables empty, and every
+            # step updated nothing (issue 22). Checked in Python, so traced steps pay nothing
+            raise UnsupportedOptionError(
+                f"ampbridge.keras.LossScaleOptimizer: {len(grads)} gradients for {len(self._trainable_variables)} "
+                f"variables the optimizer was built with on {_framework_versions()}; build it with the "
+                f"variables you step (ampbridge supports {tested_range('keras')})")
         return [g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, scale)
                 for g, v in zip(grads, self._trainable_variables)]
 
@@ -230,7 +269,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # --- stateful apply (TensorFlow, torch; JAX goes through stateless_apply) ---
 
     def _apply_inner(self, grads: Any, trainable_variables: Any, scale: Any) -> None:
-        self.inner_optimizer.apply(self._unscale(grads, scale), trainable_variables=trainable_variables)
+        unscaled = self._unscale(grads, scale)
+        self._handed = len(unscaled)
+        self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
 
     def _own_values(self) -> list[Any]:
         return [v.value for v in self._state_variables]
@@ -252,7 +293,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _common_apply(self, grads: Any, trainable_variables: Any = None) -> None:
         flags = self._finite_flags(grads) if self._monitor is not None else None
-        finite = self.check_finite(grads) if flags is None else _all(flags)
+        finite = agreed_finite(self.check_finite(grads) if flags is None else _all(flags))
         self._guard_traced(finite)
         own = self._own_values()
         if flags is not None:
@@ -270,7 +311,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self._needs_host_check() and _concrete(finite):
             self.check_min_scale()
 
+    def _tf_apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        # private: overrides keras LossScaleOptimizer._tf_apply (checked on Keras 3.13-3.15), which
+        # takes the first replica's finite flag for all replicas; see distributed.tf_apply
+        tf_apply(self, grads, trainable_variables)
+
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        if not self._step_verified:
+            return self._verified_apply(grads, trainable_variables)
         if _backend() != "jax":
             return super().apply(grads, trainable_variables)
         # JAX: ops.cond is lax.cond, which cannot hold stateful assignments: go functional
@@ -291,6 +339,41 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             v.assign(x)
         if self._needs_host_check() and _concrete(new_state[0]):
             self.check_min_scale()
+
+    # --- the first-step guard: Keras changing its hooks must not mean steps that update nothing ---
+
+    def _verified_apply(self, grads: Any, trainable_variables: Any) -> None:
+        """The first ``apply``, checked once (issue 22: on Keras 3.7-3.11 an older ampbridge ran
+        every step and updated nothing). When traced (a compiled ``fit``), that the step reached
+        ampbridge's hooks and handed the inner optimizer every gradient; when eager, also that a
+        finite step advanced the inner optimizer's ``iterations`` (two reads, once). Raises
+        :class:`ampbridge.errors.UnsupportedOptionError` naming the Keras version otherwise."""
+        grads = list(grads)
+        eager = bool(grads) and _concrete(grads[0])
+        before = int(_host(self.inner_optimizer.iterations)) if eager else None
+        finite = bool(_host(self.check_finite(grads))) if eager else None
+        self._step_verified, self._handed = True, None
+        try:
+            self.apply(grads, trainable_variables)
+        except BaseException:
+            self._step_verified = False
+            raise
+        given = sum(g is not None for g in grads)
+        problem = None
+        if self._handed is None and not eager:  # traced: each branch of the step was traced once
+            problem = "never reached ampbridge's apply hooks"
+        elif self._handed is not None and given and not self._handed:
+            problem = f"handed the inner optimizer 0 of {given} gradients"
+        elif eager and finite and int(_host(self.inner_optimizer.iterations)) == before:
+            problem = "left the inner optimizer's iterations unchanged after a finite step"
+        elif eager and not finite:
+            self._step_verified = False  # a skipped step proves nothing: check the next one
+        if problem is not None:
+            self._step_verified = False
+            raise UnsupportedOptionError(
+                f"ampbridge.keras.LossScaleOptimizer: the first optimizer step {problem} on "
+                f"{_framework_versions()}, so training would not update the weights; "
+                f"ampbridge supports {tested_range('keras')}")
 
     # --- stateless apply (JAX fit, and any functional use) ---
 
@@ -314,8 +397,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                                                           finite, flags, own[at[1]])
 
         def step() -> Any:
-            new_weights, new_inner = self.inner_optimizer.stateless_apply(
-                inner, self._unscale(grads, scale), trainable_variables)
+            unscaled = self._unscale(grads, scale)
+            self._handed = len(unscaled)
+            new_weights, new_inner = self.inner_optimizer.stateless_apply(inner, unscaled, trainable_variables)
             return list(new_weights), list(new_inner)
 
         if self._config.skip_nonfinite:
@@ -362,19 +446,61 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # the monitor's record is scratch space: checkpoints look the same with or without it
         return [v for v in self.variables if not any(v is m for m in self._monitor_variables)]
 
+    def _keras_variables(self) -> list[Any]:
+        """The variables Keras's own LossScaleOptimizer has, in its order (its checkpoint layout)."""
+        extra = self._extra_variables() + self._monitor_variables
+        return [v for v in self._variables if not any(v is x for x in extra)] + list(self.inner_optimizer.variables)
+
+    def _extra_variables(self) -> list[Any]:
+        if not hasattr(self, "min_scale_overflows"):  # not built yet
+            return []
+        return [self.hysteresis_left, self.loss_scale_steps, self.skipped_steps, self.min_scale_overflows]
+
     def save_own_variables(self, store: Any) -> None:
-        for i, variable in enumerate(self._saved_variables()):
+        # Keras's layout when the file names Keras's class (the rest of the state is the asset)
+        variables = self._keras_variables() if self._keras_format else self._saved_variables()
+        for i, variable in enumerate(variables):
             store[str(i)] = variable.numpy()
 
     def load_own_variables(self, store: Any) -> None:
-        variables = self._saved_variables()
-        if len(store.keys()) != len(variables):
+        n = len(store.keys())
+        variables = next((vs for vs in (self._saved_variables(), self._keras_variables() if self.built else [])
+                          if len(vs) == n), None)
+        if variables is None:
             warnings.warn(f"Skipping variable loading for optimizer '{self.name}', because it has "
-                          f"{len(variables)} variables whereas the saved optimizer has {len(store.keys())} "
+                          f"{len(self._saved_variables())} variables whereas the saved optimizer has {n} "
                           "variables.", stacklevel=2)
             return
         for i, variable in enumerate(variables):
             variable.assign(store[str(i)])
+
+    def save_assets(self, dir_path: Any) -> None:
+        """Writes ``ampbridge_loss_scale.json``: the settings, the policy and the state Keras's own
+        LossScaleOptimizer has no variable for (read back by :func:`ampbridge.keras.load_model`)."""
+        with open(os.path.join(str(dir_path), _ASSET), "w", encoding="utf-8") as f:
+            json.dump(self._asset(), f)
+
+    def load_assets(self, dir_path: Any) -> None:
+        path = os.path.join(str(dir_path), _ASSET)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                self._restore_asset(json.load(f))
+
+    def _asset(self) -> dict[str, Any]:
+        extra = dict(zip(_EXTRA_NAMES, (int(_host(v)) for v in self._extra_variables()))) if self.built else None
+        return {"format": 1, "loss_scale": self._loss_scale_dict(),
+                "policy": self.policy.to_dict() if self.policy is not None else None, "state": extra}
+
+    def _restore_asset(self, data: dict[str, Any]) -> None:
+        config = LossScaleConfig(**data["loss_scale"])
+        if config != self._config:
+            self._config = config
+            self._sync_format()
+        if data.get("policy") is not None:
+            self.policy = Policy.from_dict(data["policy"])
+        if data.get("state") is not None and self.built:
+            for v, name in zip(self._extra_variables(), _EXTRA_NAMES):
+                v.assign(int(data["state"][name]))
 
     def _finite_flags(self, grads: list[Any]) -> list[Any]:
         return [ops.all(ops.isfinite(g)) if g is not None else None for g in grads]
@@ -410,7 +536,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             sampled: Any = spec.host_step % spec.every == 0
             spec.host_step += 1
         else:
-            sampled = ops.equal(ops.mod(steps, spec.every), 0)
+            # a non-finite step is always sampled: its per-layer statistics name every bad layer
+            sampled = ops.logical_or(ops.equal(ops.mod(steps, spec.every), 0), found_inf)
 
         def compute() -> Any:
             rows = [_grad_stats([grads[p] for p in positions if grads[p] is not None], scale, compute_dtype,
@@ -427,16 +554,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- serialisation ---
 
+    @property
+    def _keras_format(self) -> bool:
+        return type(self) is _KerasFormat
+
+    def _sync_format(self) -> None:
+        # Settings Keras's own LossScaleOptimizer runs the same way are saved under its name, so a
+        # .keras file loads without ampbridge; any other setting needs this class to reload
+        if type(self) in (LossScaleOptimizer, _KerasFormat):  # a user's subclass keeps its class
+            self.__class__ = _KerasFormat if keras_expressible(self._config) else LossScaleOptimizer
+
+    def _loss_scale_dict(self) -> dict[str, Any]:
+        return {f: getattr(self._config, f) for f in (
+            "mode", "initial_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+            "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale", "skip_nonfinite")}
+
     def get_config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "loss_scale": {f: getattr(self._config, f) for f in (
-                "mode", "initial_scale", "growth_factor", "backoff_factor", "growth_interval",
-                "hysteresis", "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale",
-                "skip_nonfinite")},
-            "policy": self.policy.to_dict() if self.policy is not None else None,
-        }
+        """Keras's four keys (``name``, ``inner_optimizer``, ``initial_scale``,
+        ``dynamic_growth_steps``); ``loss_scale`` and ``policy`` too when the settings are ones
+        Keras's own class cannot run (then the class saved is ampbridge's)."""
+        config = {"name": self.name, "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                  "initial_scale": float(initial_state(self._config).scale),
+                  "dynamic_growth_steps": int(self._config.growth_interval)}
+        if not self._keras_format:
+            config["loss_scale"] = self._loss_scale_dict()
+            config["policy"] = self.policy.to_dict() if self.policy is not None else None
+        return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> "LossScaleOptimizer":
@@ -444,6 +587,68 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                       custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _framework_versions() -> str:
+    """``keras 3.15.1 (tensorflow 2.21.0)``: the versions an error about them should name."""
+    backend = _backend()
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(backend)
+    version = getattr(__import__(module), "__version__", "?") if module else "?"
+    return f"keras {keras.__version__} ({backend} {version})"
+
+
+_ASSET = "ampbridge_loss_scale.json"
+
+
+class _ExtraState(keras.layers.Layer):
+    """The loss-scale state Keras's ``LossScaleOptimizer`` has no variable for (hysteresis left,
+    steps, skipped, overflows at min_scale), saved as the optimizer's ``ampbridge_state`` entry of
+    ``.keras`` and ``.weights.h5`` files when the optimizer uses Keras's layout."""
+
+    def __init__(self, owner: Any):
+        super().__init__(name="ampbridge_loss_scale_state")
+        self._owner = weakref.ref(owner)
+
+    def save_own_variables(self, store: Any) -> None:
+        owner = self._owner()
+        if owner is not None and owner.built and owner._keras_format:
+            for name, v in zip(_EXTRA_NAMES, owner._extra_variables()):
+                store[name] = v.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        owner = self._owner()
+        if owner is not None and owner.built and all(name in store.keys() for name in _EXTRA_NAMES):
+            for name, v in zip(_EXTRA_NAMES, owner._extra_variables()):
+                v.assign(store[name])
+_EXTRA_NAMES = ("hysteresis_left", "steps", "skipped", "min_scale_overflows")
+
+
+def keras_expressible(config: LossScaleConfig) -> bool:
+    """Whether Keras's own ``LossScaleOptimizer`` runs ``config`` as ampbridge does: dynamic,
+    x2 growth, x0.5 backoff, no hysteresis, no floor or ceiling, non-finite steps skipped (the
+    two differ only once the scale would pass 2**127, where Keras's becomes inf).
+
+    Example:
+        >>> keras_expressible(LossScaleConfig(mode="dynamic", initial_scale=1024.0, growth_interval=100))
+        True
+        >>> keras_expressible(LossScaleConfig(mode="dynamic", hysteresis=2))
+        False
+    """
+    return (config.mode == "dynamic" and config.growth_factor == 2.0 and config.backoff_factor == 0.5
+            and config.hysteresis == 1 and config.min_scale is None and config.max_scale is None
+            and config.skip_nonfinite)
+
+
+class _KerasFormat(LossScaleOptimizer):
+    """ampbridge's optimizer with settings Keras's own runs the same way: it saves as
+    ``keras.optimizers.LossScaleOptimizer`` (same config keys, same variable layout), so the
+    file loads in plain Keras; what Keras has no variable for travels in an asset."""
+
+
+# private: keras.src.api_export.REGISTERED_OBJS_TO_NAMES (checked on Keras 3.13-3.15) is the
+# table serialize_keras_object reads a class's public Keras name from; Keras has no public way
+# to save a subclass under its base class's name
+_api_export.REGISTERED_OBJS_TO_NAMES[_KerasFormat] = "keras.optimizers.LossScaleOptimizer"
 
 
 def optimizer(inner: Any, policy: Policy | str) -> LossScaleOptimizer:

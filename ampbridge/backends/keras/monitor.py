@@ -448,8 +448,8 @@ class MonitorCallback(keras.callbacks.Callback):
         >>> _ = model.fit(x, y, sample_weight=sample_weight, batch_size=2, shuffle=False, verbose=0,
         ...               callbacks=[MonitorCallback(path, every=2)])
         >>> from ampbridge.diagnostics.runlog import read_log
-        >>> [(s["step"], s["skipped"], bool(s["layers"])) for s in read_log(path).steps]
-        [(0, False, True), (1, True, False), (2, False, True)]
+        >>> [(s["step"], s["skipped"]) for s in read_log(path).steps]
+        [(0, False), (1, True), (2, False)]
     """
 
     def __init__(self, path: Any, every: int = 1, *, attribution: bool = True):

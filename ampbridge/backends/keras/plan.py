@@ -10,10 +10,10 @@ from typing import Any
 
 import keras
 
-from ...core.plan import Plan, PlanRow, build_plan, with_note
+from ...core.plan import BY_MODEL, Plan, PlanRow, build_plan, with_note
 from ...core.policy import Policy
 from .environment import _backend, _phase0, resolve_policy
-from .layers import _describe
+from .layers import _code_caller, _describe
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -80,8 +80,13 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
     backend = _backend()
     norms = tuple(getattr(keras.layers, n) for n in _INTERNAL_FLOAT32 if hasattr(keras.layers, n))
 
+    returns = _stream_returns(policy, by_path)
+
     def adjust(row: PlanRow) -> PlanRow:
         layer, notes, changes = by_path[row.path], [], {}
+        stream = returns(row)
+        if stream is not None:
+            notes.append(_stream_note(row, stream))
         half = row.compute_dtype in ("float16", "bfloat16")
         if row.path == "" and row.output_dtype != policy.output_dtype:
             notes.append(f"model outputs cast to output_dtype {policy.output_dtype}")
@@ -90,6 +95,11 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
             # ops.layer_normalization / batch_normalization / rms_normalization upcast to float32
             notes.append(f"Keras normalises in float32 internally, output {row.output_dtype}")
             changes["compute_dtype"] = "float32"
+        if half and isinstance(layer, keras.layers.Embedding) and row.param_dtype != row.compute_dtype:
+            # Embedding turns autocast off: the lookup reads the table as stored, then casts the rows
+            notes.append(f"Keras looks embeddings up in their stored dtype {row.param_dtype}, "
+                         f"output cast to {row.compute_dtype}")
+            changes["compute_dtype"] = row.param_dtype
         if row.compute_dtype == "float16" and isinstance(layer, keras.layers.Softmax) and backend == "torch":
             if str(keras.src.backend.torch.core.get_device()) == "cpu":
                 notes.append("Keras-on-torch computes float16 softmax in float32 internally on CPU")
@@ -104,6 +114,39 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
         return with_note(row, "; ".join(notes), **changes) if notes else row
 
     return adjust
+
+
+def _stream_note(row: PlanRow, stream: tuple[str, str]) -> str:
+    dtype, caller = stream
+    return (f"called from {caller or 'the model'}'s own code, which computes in {dtype}: its "
+            f"{row.output_dtype} output meets that stream (JAX and torch promote to {row.output_dtype}; "
+            f"TensorFlow refuses a raw {dtype} + {row.output_dtype}: an [[override]] with "
+            f'output_dtype = "{dtype}" returns it to the stream)')
+
+
+def _stream_returns(policy: Policy, by_path: dict[str, Any]):
+    """``returns(row) -> (dtype, caller) | None``, fed the requested rows parents first: a layer
+    called from another layer's own code (keras-hub's ``TransformerEncoder`` calling its norm) whose
+    output dtype differs from its caller's compute dtype, unless its rule sets ``output_dtype`` or
+    its dtypes are the model's own. The caller's code mixes what it returns with its own tensors
+    (``x + residual``): JAX and torch promote the stream (as torch and Flax do with the same
+    model, so the Plan stays the same in every framework), TensorFlow refuses float16 + float32.
+    The row says so and ``apply`` warns on TensorFlow; the output is not changed behind the
+    policy's back. A layer called by a Functional graph is not flagged: Keras casts each layer's
+    inputs to that layer's compute dtype.
+    """
+    # keep_float32 entries say float32 for all three dtypes; only an [[override]] asks for an output
+    explicit = {label for label, rule in policy.rules if label.startswith("override") and rule.output_dtype}
+    compute: dict[str, str] = {}
+
+    def returns(row: PlanRow) -> tuple[str, str] | None:
+        compute[row.path] = row.compute_dtype
+        caller = _code_caller(row.path, by_path)
+        if caller is None or caller not in compute or row.rule == BY_MODEL or row.rule in explicit:
+            return None
+        return (compute[caller], caller) if compute[caller] != row.output_dtype else None
+
+    return returns
 
 
 def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:

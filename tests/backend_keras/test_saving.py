@@ -1,0 +1,133 @@
+"""``.keras`` files saved after ``ampbridge.keras.apply``: they load in plain Keras (a fresh
+process where ampbridge cannot be imported) as working models, and ``ampbridge.keras.load_model``
+restores the policy, the pins and the full loss-scale state from the file alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+from ampbridge._testing import require
+
+keras = require("keras")
+import ampbridge  # noqa: E402
+import ampbridge.keras as ak  # noqa: E402
+
+L = keras.layers
+POLICY = ampbridge.preset("mixed_float16").replace(
+    keep_float32=("kind:norm",), loss_scale=ampbridge.LossScaleConfig(initial_scale=256.0, growth_interval=3))
+# a setting Keras's own LossScaleOptimizer cannot run: the optimizer is saved under ampbridge's name
+HYSTERESIS = POLICY.replace(loss_scale=ampbridge.LossScaleConfig(initial_scale=256.0, hysteresis=2))
+
+PLAIN_KERAS = textwrap.dedent("""
+    import importlib.util, json, sys
+    def ours(hook):  # the editable install's finder and path hook
+        return "ampbridge" in getattr(hook, "__module__", "") + type(hook).__module__ + repr(hook)
+    sys.meta_path[:] = [f for f in sys.meta_path if not ours(f)]
+    sys.path_hooks[:] = [h for h in sys.path_hooks if not ours(h)]
+    sys.path[:] = [p for p in sys.path if "ampbridge" not in p]
+    sys.path_importer_cache.clear()
+    assert importlib.util.find_spec("ampbridge") is None, "ampbridge is importable"
+    import keras, numpy as np
+    out = {}
+    for name, compile in json.loads(sys.argv[1]):
+        model = keras.saving.load_model(name + ".keras", compile=compile)
+        opt = model.optimizer if compile else None
+        out[name] = {
+            "dtypes": {l.name: [l.dtype_policy.name, l.compute_dtype, l.variable_dtype] for l in model.layers},
+            "predictions": np.asarray(model.predict(np.load("x.npy"), verbose=0), "float32").tolist(),
+            "optimizer": None if opt is None else [type(opt).__module__, float(opt.dynamic_scale.numpy()),
+                                                    int(opt.step_counter.numpy()), int(opt.iterations.numpy())],
+        }
+    print(json.dumps(out))
+""")
+
+
+def _plain_keras(tmp_path, files):
+    """Load ``files`` ([name, compile]) in a fresh interpreter with ampbridge hidden (-I drops the
+    repository from the path; the editable install's finder is removed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-I", "-c", PLAIN_KERAS, json.dumps(files)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _trained(kx, policy):
+    kx.seed(1)
+    tokens = keras.Input((6,), name="x")
+    h = L.Dense(8, activation="relu", name="ffn")(tokens)
+    h = L.LayerNormalization(name="norm")(h)
+    logits = L.Dense(3, name="head")(h)
+    probs = L.Activation("softmax", dtype="float32", name="probs")(logits)  # the author's float32 head
+    model = ak.apply(keras.Model(tokens, probs, name="clf"), policy)
+    model.compile(ak.optimizer(keras.optimizers.Adam(1e-2), policy), "mse")
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32")
+    y = np.random.default_rng(1).uniform(size=(8, 3)).astype("float32")
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    return model, x, y
+
+
+def _dtypes(model):
+    return {layer.name: [layer.dtype_policy.name, layer.compute_dtype, layer.variable_dtype]
+            for layer in model.layers}
+
+
+def test_saved_file_loads_in_plain_keras_and_back_in_ampbridge(kx, tmp_path):
+    native_format, x, y = _trained(kx, POLICY)
+    ours_format, _, _ = _trained(kx, HYSTERESIS)
+    np.save(tmp_path / "x.npy", x)
+    native_format.save(tmp_path / "native.keras")
+    ours_format.save(tmp_path / "ours.keras")
+    expected = {name: np.asarray(m.predict(x, verbose=0), "float32")
+                for name, m in (("native", native_format), ("ours", ours_format))}
+
+    plain = _plain_keras(tmp_path, [["native", True], ["ours", False]])
+    for name, model in (("native", native_format), ("ours", ours_format)):
+        assert plain[name]["dtypes"] == _dtypes(model)
+        assert plain[name]["dtypes"]["norm"][0] == "float32" and plain[name]["dtypes"]["ffn"][0] == "mixed_float16"
+        np.testing.assert_array_equal(np.asarray(plain[name]["predictions"], "float32"), expected[name])
+    state = native_format.optimizer.state
+    # Keras's own class, with Keras's part of the state (scale, good steps, iterations)
+    assert plain["native"]["optimizer"] == ["keras.src.optimizers.loss_scale_optimizer", state.scale,
+                                            state.good_steps, 4]
+
+    for name, model in (("native", native_format), ("ours", ours_format)):
+        restored = ak.load_model(tmp_path / f"{name}.keras")  # no policy argument: it is in the file
+        assert restored._ampbridge_policy == model._ampbridge_policy
+        assert isinstance(restored.optimizer, ak.LossScaleOptimizer)
+        assert restored.optimizer.state == model.optimizer.state
+        assert restored.optimizer.loss_scale_config == model.optimizer.loss_scale_config
+        assert restored.optimizer.policy == model.optimizer.policy
+        assert _dtypes(restored) == _dtypes(model)
+        np.testing.assert_array_equal(np.asarray(restored.predict(x, verbose=0), "float32"), expected[name])
+        # and it trains on, saving again in the same format
+        restored.fit(x, y, batch_size=2, epochs=1, verbose=0)
+        assert restored.optimizer.state.steps == 8
+        assert ak.stored_policy(tmp_path / f"{name}.keras") == model._ampbridge_policy
+
+
+def test_keras_hub_backbone_pins_come_back_with_load_model(kx, tmp_path):
+    """A keras-hub backbone's config keeps one dtype for all its layers; the pins inside come back
+    from the policy stored in the file (plain Keras rebuilds them in that one dtype)."""
+    import pytest
+
+    keras_hub = pytest.importorskip("keras_hub")
+    kx.seed(0)
+    policy = POLICY.replace(keep_float32=("kind:norm", "kind:embedding"))
+    model = ak.apply(keras_hub.models.BertBackbone(vocabulary_size=64, num_layers=1, hidden_dim=16,
+                                                   intermediate_dim=32, num_heads=2, max_sequence_length=16), policy)
+    model.save(tmp_path / "bert.keras")
+    restored = ak.load_model(tmp_path / "bert.keras")
+    dtypes = {path: layer.dtype_policy.name for path, layer in ak.layers(model)}
+    assert {path: layer.dtype_policy.name for path, layer in ak.layers(restored)} == dtypes
+    assert dtypes["transformer_layer_0.feedforward_layer_norm"] == "float32"
+    x = {"token_ids": np.arange(16).reshape(2, 8).astype("int32") % 64, "segment_ids": np.zeros((2, 8), "int32"),
+         "padding_mask": np.ones((2, 8), "int32")}
+    np.testing.assert_array_equal(np.asarray(kx.numpy(model(x)["sequence_output"])),
+                                  np.asarray(kx.numpy(restored(x)["sequence_output"])))
