@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge import Policy  # noqa: E402
+from ampbridge.backends.jax.nnx import _nnx_key  # noqa: E402
 
 SEEN: list[tuple[str, str, str]] = []
 
@@ -22,7 +23,9 @@ class Gate(nnx.Module):
     """A custom leaf with its own parameter and no dtype attribute: ampbridge must cast both."""
 
     def __init__(self, dim: int):
-        self.w = nnx.Param(jnp.full((dim,), 0.5))
+        # float32 given, not inferred: jnp.full's inferred float32 is weak-typed, and the first optimizer
+        # update makes it strong, so a jitted step would trace and compile twice
+        self.w = nnx.Param(jnp.full((dim,), 0.5, jnp.float32))
 
     def __call__(self, x):
         SEEN.append(("gate", str(x.dtype), str(self.w[...].dtype)))
@@ -130,3 +133,54 @@ def test_training_with_nnx_optimizer_and_a_skipped_step(net, bits_equal):
     assert bits_equal(opt_after.inner_state, opt_before.inner_state)
     ls_before, ls_after = abj.loss_scale(opt_before), abj.loss_scale(opt)
     assert int(ls_after.skipped) == 1 and float(ls_after.scale) == float(ls_before.scale) / 2
+
+
+def test_equal_plans_give_equal_graphdefs_and_jit_traces_once(bits_equal):
+    """The plan each module carries is static graph data: copies applied with the same policy (a
+    model rebuilt to restore a checkpoint) and a split/merge round trip reuse the compiled step;
+    another policy compiles anew."""
+    block, x = Block(4, nnx.Rngs(0)), jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    policy = Policy(compute_dtype="float16", param_dtype="bfloat16", keep_float32=("kind:norm",))
+    traces = []
+
+    @nnx.jit
+    def forward(model, x):
+        traces.append(type(model).__name__)  # runs only while tracing
+        return model(x)
+
+    first, second = abj.apply(block, policy), abj.apply(block, policy)
+    assert nnx.graphdef(first) == nnx.graphdef(second) and hash(nnx.graphdef(first)) == hash(nnx.graphdef(second))
+    assert _nnx_key(first) is _nnx_key(second)  # one shared key: jit's per-call comparison stops at `is`
+    out = forward(first, x)
+    assert bits_equal(forward(second, x), out) and traces == ["Block"]
+    assert bits_equal(forward(nnx.merge(*nnx.split(second)), x), out) and traces == ["Block"]
+    other = abj.apply(block, Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",)))
+    assert nnx.graphdef(other) != nnx.graphdef(first)
+    assert not bits_equal(forward(other, x), out) and len(traces) == 2  # bfloat16 compute
+
+    # a plain jax.jit over (graphdef, state): the graphdef is its static argument
+    merged = jax.jit(lambda g, s: nnx.merge(g, s)(x), static_argnums=0)
+    for model in (first, second, nnx.merge(*nnx.split(first))):
+        merged(*nnx.split(model))
+    assert merged._cache_size() == 1
+    merged(*nnx.split(other))
+    assert merged._cache_size() == 2
+
+    # a training step with numerics, for a model rebuilt with the same policy and optimizer
+    # (the transformation is static in nnx.Optimizer's graphdef too: build it once)
+    policy = Policy(compute_dtype="float16", keep_float32=("kind:norm",),
+                    loss_scale=ampbridge.LossScaleConfig(mode="dynamic", initial_scale=2.0 ** 10))
+    tx = abj.optimizer(optax.sgd(1e-2), policy)
+    steps = []
+
+    @nnx.jit
+    def step(model, opt, x):
+        steps.append(1)
+        _, grads, stats = abj.numerics(model, lambda m: jnp.mean(m(x) ** 2), opt)(model)
+        opt.update(model, grads)
+        return stats
+
+    for model in (abj.apply(block, policy), abj.apply(block, policy)):
+        stats = step(model, nnx.Optimizer(model, tx, wrt=nnx.Param), x)
+        assert stats.layers == ("norm", "up", "down", "gate") and not bool(stats.skipped)
+    assert len(steps) == 1

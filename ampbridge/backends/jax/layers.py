@@ -2,7 +2,7 @@
 facts a Plan note needs, rows resolved from a module's ancestry, and a plain pytree's key paths as
 neutral ``Layer`` descriptors.
 
-Holds: _LINEN_KINDS, _NNX_KINDS, _kind_of, _class_name, _has_field, _is_float_dtype_or_none,
+Holds: _LINEN_KINDS, _NNX_KINDS, _kind_of, _kind_and_source, _class_name, _has_field, _is_float_dtype_or_none,
 _Facts, _facts, _row_notes, _Resolver, _key_name, _tree_layers.
 """
 
@@ -67,23 +67,30 @@ def register_kind(cls: type, kind: str | None) -> None:
 
 
 def _kind_of(obj: Any, flavour: str) -> str | None:
+    return _kind_and_source(obj, flavour)[0]
+
+
+def _kind_and_source(obj: Any, flavour: str) -> tuple[str | None, str | None]:
+    """``(kind, how it was decided)``, as torch's and Keras's rows say it: the ``ampbridge_kind``
+    attribute, :func:`register_kind`, Flax's own classes (``"framework class"``), then the core's
+    inference from the class's and its bases' names (``"class name"``, ``"base class X"``)."""
     declared = getattr(obj, "ampbridge_kind", None)
     if declared is not None:
-        return declared
+        return declared, "ampbridge_kind attribute"
     registered = _REGISTERED.lookup(getattr(type(obj), "_ampbridge_original", type(obj)))
     if _REGISTERED.found(registered):
-        return registered
+        return registered, "registered"
     table = _class_table(flavour)
     for cls in type(obj).__mro__:
         if cls in table:
-            return table[cls]
+            return table[cls], "framework class"
     return _inferred(getattr(type(obj), "_ampbridge_original", type(obj)))
 
 
 @functools.lru_cache(maxsize=None)
-def _inferred(cls: type) -> str | None:
+def _inferred(cls: type) -> tuple[str | None, str | None]:
     """The core's inference from the class's and its bases' names (Gemma's RMSNorm, an Embedder)."""
-    return infer_kind([c.__name__ for c in cls.__mro__ if not c.__module__.startswith(("flax.", "builtins"))])[0]
+    return infer_kind([c.__name__ for c in cls.__mro__ if not c.__module__.startswith(("flax.", "builtins"))])
 
 
 def _class_name(obj: Any) -> str:
@@ -114,9 +121,10 @@ class _Facts(NamedTuple):
     float32_softmax: bool = False
     batch_norm: bool = False
     odd_dtype: str | None = None  # a non-float ``dtype`` attribute, left alone
+    kind_source: str | None = None  # how the module's kind was decided (the row shows it)
 
 
-def _facts(module: Any) -> _Facts:
+def _facts(module: Any, kind_source: str | None = None) -> _Facts:
     if module is None:
         return _Facts()
     odd = None
@@ -124,7 +132,7 @@ def _facts(module: Any) -> _Facts:
         odd = str(getattr(module, "dtype"))
     return _Facts(bool(getattr(module, "force_float32_reductions", False)),
                   bool(getattr(module, "force_fp32_for_softmax", False)),
-                  any(c.__name__ == "BatchNorm" for c in type(module).__mro__), odd)
+                  any(c.__name__ == "BatchNorm" for c in type(module).__mro__), odd, kind_source)
 
 
 def _row_notes(row: PlanRow, facts: _Facts, output_dtype: str | None = None) -> PlanRow:
@@ -142,6 +150,10 @@ def _row_notes(row: PlanRow, facts: _Facts, output_dtype: str | None = None) -> 
         notes.append("softmax in float32 (force_fp32_for_softmax)")
     if facts.batch_norm:
         notes.append("running statistics (batch_stats) kept in float32")
+        if row.kind == "norm" and low and not facts.float32_reductions:
+            # x - mean with a float32 mean promotes: Flax's (and its copies') BatchNorm normalises in float32
+            notes.append("the normalisation runs in float32 (its float32 statistics promote it); "
+                         f"input, parameters and output in {row.compute_dtype}")
     if facts.odd_dtype is not None:
         notes.append(f"the module's dtype={facts.odd_dtype} is not a float dtype; left as set")
     changes = {}

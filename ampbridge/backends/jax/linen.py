@@ -27,6 +27,7 @@ from .layers import (
     _facts,
     _has_field,
     _is_float_dtype_or_none,
+    _kind_and_source,
     _kind_of,
     _Resolver,
     _row_notes,
@@ -187,7 +188,7 @@ class _LinenInterceptor:
         chain = _linen_chain(module, self.chains)
         path, kind, class_name = chain[-1]
         if self.record is not None and path not in self.record:
-            self.record[path] = (kind, class_name, _facts(module))
+            self.record[path] = (kind, class_name, _facts(module, _kind_and_source(module, "linen")[1]))
         if self.memo is not None and (not self.modules or self.modules[-1] is not module):
             self.entered += 1
         if context.method_name == "setup":
@@ -315,7 +316,7 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
         for path, entry in record.items():
             known.setdefault(path, entry)
     counts = {**recorder.memo_params, **_own_param_counts(variables.get("params", {}))}
-    layers = [Layer(path, kind, cls, counts.get(path, 0)) for path, (kind, cls, _) in record.items()]
+    layers = [Layer(path, kind, cls, counts.get(path, 0), fact.kind_source) for path, (kind, cls, fact) in record.items()]
     facts = {path: fact for path, (_, _, fact) in record.items()}
     plan_notes = list(notes) + [
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"

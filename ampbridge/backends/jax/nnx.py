@@ -1,7 +1,7 @@
 """flax.nnx: one walk of the model (tree mode, graph mode for shared references), its Plan, and
 the applied copy whose modules' calls follow their rows (a cached subclass per class).
 
-Holds: _nnx_layers, _nnx_plan, _apply_nnx, _NnxModel, _NnxKey, _nnx_key, _nnx_path,
+Holds: _nnx_layers, _nnx_plan, _apply_nnx, _NnxModel, _NnxKey, _shared_key, _nnx_key, _nnx_path,
 _nnx_subclass, _own_variables, _is_callable_module, _nnx_copy, _tree_mode_first.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ from ...core.plan import Layer, Plan, build_plan, gc_paused
 from ...core.policy import Policy
 from .cast import _cast_tree
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _is_float_array, _nnx
-from .layers import _class_name, _facts, _is_float_dtype_or_none, _kind_of, _row_notes
+from .layers import _class_name, _facts, _is_float_dtype_or_none, _kind_and_source, _row_notes
 from .watch import _watch, _watch_inputs, _watch_output_gradients, _watch_outputs, _watched
 
 
@@ -75,7 +76,8 @@ def _nnx_layers(module: Any) -> _NnxModel:
             owner = owner.rsplit(".", 1)[0] if "." in owner else ""
         owners[path] = owner
         counts[owner] = counts.get(owner, 0) + int(np.size(value))
-    layers = [Layer(path, _kind_of(m, "nnx"), _class_name(m), counts.get(path, 0)) for path, m in modules]
+    layers = [Layer(path, kind, _class_name(m), counts.get(path, 0), source)
+              for path, m in modules for kind, source in (_kind_and_source(m, "nnx"),)]
     return _NnxModel(layers, instances, owners, params, stats)
 
 
@@ -223,15 +225,41 @@ def _nnx_subclass(cls: type) -> type:
 
 
 class _NnxKey:
-    """One applied NNX model: its Plan and parameter owners, kept (by identity) in every module's
-    row, so :func:`numerics` finds them again after ``nnx.split``/``nnx.merge``."""
+    """One applied NNX model: its Plan and parameter owners, kept in every module's row, so
+    :func:`numerics` finds them again after ``nnx.split``/``nnx.merge``. The row is static data
+    of the graphdef, which jit caches on: equal by value (the Plan, a frozen dataclass, and the
+    owners), so copies applied with the same policy, or a model rebuilt to restore a checkpoint,
+    reuse the compiled steps."""
 
     def __init__(self, plan: Plan, owners: Mapping[str, str]):
         self.plan = plan
         self.owners = dict(owners)
+        self._value = (plan, tuple(sorted(self.owners.items())))
+        self._hash = hash(self._value)  # once: jit hashes every module's row on every call
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _NnxKey):
+            return NotImplemented
+        return self._hash == other._hash and self._value == other._value
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __repr__(self) -> str:
         return f"<ampbridge NNX plan of {len(self.plan)} modules>"
+
+
+_NNX_KEYS: "weakref.WeakValueDictionary[tuple, _NnxKey]" = weakref.WeakValueDictionary()
+
+
+def _shared_key(plan: Plan, owners: Mapping[str, str]) -> _NnxKey:
+    """The one live key equal to ``_NnxKey(plan, owners)``: rows of equal copies are then the same
+    object, and jit's graphdef comparison on every call stops at ``is`` instead of comparing Plans."""
+    key = _NnxKey(plan, owners)
+    with _NNX_LOCK:
+        return _NNX_KEYS.setdefault(key._value, key)
 
 
 def _nnx_key(model: Any) -> _NnxKey | None:
@@ -271,7 +299,7 @@ def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
         if _is_float_array(value) and value.dtype != jnp.float32:
             var.set_value(value.astype(jnp.float32))
     precision = MATMUL_PRECISION[policy.matmul_precision]
-    key = _NnxKey(plan_, owners)
+    key = _shared_key(plan_, owners)
     callable_paths = {p for p, m in instances.items() if _is_callable_module(m)}
 
     def caller_of(path: str) -> str | None:
