@@ -39,9 +39,9 @@ class DeepSpeedDynamicLossScaler:
     transcribed as a test oracle: scale_factor 2 both ways, ``delayed_shift`` = hysteresis, and
     ZeRO's ``raise_error_at_min_scale``.
 
-    ``growth_test="modulo"``: microsoft/DeepSpeed 0336518 and earlier,
+    ``growth_test="modulo"``: DeepSpeed 0.9.3-0.17.0, before commit e440506 (PR 6976),
     ``(cur_iter - last_overflow_iter) % scale_window == 0`` (what ampbridge's reference matches).
-    ``growth_test="stable_interval"``: deepspeedai/DeepSpeed 18fd4c9 and later,
+    ``growth_test="stable_interval"``: commit e440506 (PR 6976), first released in 0.17.1,
     ``stable_interval = cur_iter - last_overflow_iter - 1; stable_interval > 0 and
     stable_interval % scale_window == 0`` (one step later after every overflow).
 

@@ -255,6 +255,18 @@ def _ds_version_arg(text: str) -> str:
     return text
 
 
+def _tool_version_arg(tool: str, current: str) -> Any:
+    def check(text: str) -> str:
+        from ..recipes.tool_releases import parse
+
+        try:
+            parse(text, tool, current)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+    return check
+
+
 def _ds_version(args: argparse.Namespace) -> str | None:
     """--deepspeed-version, or the release the old --deepspeed-release names (both given must agree)."""
     from ..recipes.deepspeed_releases import resolve
@@ -282,7 +294,9 @@ def _read_recipe(spec: str, fmt: str | None, args: argparse.Namespace, **extra: 
     if not is_file and (path.suffix.lower() in _POLICY_SUFFIXES or "/" in spec or os.sep in spec):
         raise PolicyError([Problem("no such file", file=spec)])
     given = {"auto": getattr(args, "auto", None), "version": _ds_version(args), "device": getattr(args, "device", None),
-             "api": getattr(args, "lightning_api", None), "half": getattr(args, "jmp_half", None)}
+             "api": getattr(args, "lightning_api", None), "half": getattr(args, "jmp_half", None),
+             "accelerate_version": getattr(args, "accelerate_version", None),
+             "lightning_version": getattr(args, "lightning_version", None)}
     given.update(extra)
     if is_file:
         detected = fmt or recipes.load(path).source_format  # detect first: pass only the options it takes
@@ -335,6 +349,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         options: dict[str, Any] = {}
         if target == "deepspeed":
             options = {"via": args.deepspeed_via, "version": _ds_version(args)}
+        elif target == "lightning" and args.lightning_version:
+            options = {"lightning_version": args.lightning_version}
         out = recipes.write(result, target, **options)
         losses += out.losses
         notes += [n for n in out.notes if n not in notes]  # an explanation both sides give, once
@@ -438,6 +454,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _tool_version_args(p: argparse.ArgumentParser) -> None:
+    from ..recipes.tool_releases import ACCELERATE_CURRENT, LIGHTNING_CURRENT
+
+    p.add_argument("--accelerate-version", type=_tool_version_arg("Accelerate", ACCELERATE_CURRENT), metavar="X.Y.Z",
+                   default=None, help=f"the Accelerate release (default {ACCELERATE_CURRENT}, the one read; another is "
+                   "read by its rules with a loss)")
+    p.add_argument("--lightning-version", type=_tool_version_arg("Lightning", LIGHTNING_CURRENT), metavar="X.Y.Z",
+                   default=None, help=f"the Lightning release (default {LIGHTNING_CURRENT}): precision names by "
+                   "release, 16 on CPU")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ampbridge", description="One mixed-precision policy for PyTorch, Keras and JAX.")
     parser.add_argument("--version", action="version", version=_version())
@@ -492,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "Lightning runs 16-mixed as bf16-mixed")
     p.add_argument("--lightning-api", choices=("trainer", "fabric"), default=None,
                    help="Lightning's Trainer (the default: outputs not converted) or Fabric (outputs float32)")
+    _tool_version_args(p)
     p.add_argument("--deepspeed-via", choices=("native", "torch_autocast", "amp"), default="native",
                    help="how --to deepspeed realises the policy (default: its fp16/bf16 modes)")
     p.add_argument("--jmp-half", choices=("float16", "bfloat16"), default=None,
@@ -511,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="older spelling of --deepspeed-version (modulo = 0.17.0)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="where Accelerate/Lightning run")
     p.add_argument("--lightning-api", choices=("trainer", "fabric"), default=None)
+    _tool_version_args(p)
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("formats", help="floating-point format facts of every dtype")

@@ -30,6 +30,7 @@ from .convert import (
     _Writer,
 )
 from .deepspeed import _load_config_file, from_deepspeed
+from .tool_releases import accelerate as _accelerate_release
 
 # --- Hugging Face Accelerate ----------------------------------------------------------------------
 
@@ -51,7 +52,7 @@ _ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 
 def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[str, Any] | None = None,
                     version: str | None = None, release: str | None = None, device: str | None = None,
-                    source: str | None = None,
+                    accelerate_version: str | None = None, source: str | None = None,
                     base_dir: str | os.PathLike[str] | None = None,
                     _locate: Callable[[tuple], int | None] | None = None) -> Conversion:
     """An Accelerate config (``accelerate config``'s YAML, parsed) -> Policy.
@@ -67,6 +68,8 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     as "no" / "NO"; ``fp8`` raises :class:`~ampbridge.UnsupportedOptionError`.
     ``device``: "cuda" (the default) or "cpu" (``use_cpu: true`` says cpu too): on CPU Accelerate
     (1.16) runs fp16 with neither autocast nor a GradScaler, so it reads as float32.
+    ``accelerate_version``: the release (default ``tool_releases.ACCELERATE_CURRENT``, 1.16.0, the
+    only one whose sources were read); any other is read by 1.16.0's rules with a loss saying so.
 
     Example:
         >>> c = from_accelerate({"distributed_type": "MULTI_GPU", "mixed_precision": "fp16"},
@@ -78,6 +81,9 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     if not isinstance(config, Mapping):
         raise PolicyError([Problem("an Accelerate config must be a mapping", file=source, value=config)])
     r.check_keys(config, _ACCELERATE_KEYS, (), "an Accelerate config")
+    accelerate_release, unknown = _accelerate_release(accelerate_version)
+    if unknown:
+        r.loss("accelerate_version", accelerate_release, unknown)
     raw = config.get("mixed_precision", _MISSING)
     if raw is _MISSING or raw is None:
         raw = "fp16" if config.get("fp16") is True else "no"
@@ -120,7 +126,7 @@ def from_accelerate(config: Mapping[str, Any], *, grad_scaler_kwargs: Mapping[st
     if dist == "DEEPSPEED":
         return _accelerate_deepspeed(r, config, raw, base_dir, version, release)
     if raw == "fp16" and device == "cpu":
-        r.note("mixed_precision 'fp16' on CPU: Accelerate 1.16 runs neither autocast nor a GradScaler (native_amp "
+        r.note("mixed_precision 'fp16' on CPU: Accelerate 1.16.0 runs neither autocast nor a GradScaler (native_amp "
                "is off), so the model computes in float32")
         raw, compute, kwargs = "no", "float32", {}
         r.origins["compute_dtype"] = "mixed_precision ('fp16' on CPU: no autocast)"

@@ -75,6 +75,11 @@ def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
         r.note("amp.verbosity only changes apex's logging")
     min_s = _get_number(r, amp, "min_loss_scale", p, None)
     max_s = _get_number(r, amp, "max_loss_scale", p, 2.0**24)
+    if isinstance(max_s, float) and max_s >= FLOAT32_MAX:
+        # what to_deepspeed(via="amp") writes for no ceiling: the two part only once the scale passes 2**127
+        max_s = None
+        r.note("amp.max_loss_scale = float32 max read as no max_scale: apex would then grow past 2**127 to float32 "
+               "max, ampbridge stops at 2**127, which needs every gradient below 2**-111 for over a hundred growths")
     half_model = props["cast_model_type"] == "float16"
     compute = "float16" if half_model or props["patch_torch_functions"] else "float32"
     param = "float16" if half_model and not props["master_weights"] else "float32"

@@ -337,8 +337,9 @@ class _Writer(_Findings):
                 self.loss("keep_float32", list(p.keep_float32), reason)
             if p.overrides:
                 self.loss("override", [r.to_dict() for r in p.overrides], reason)
-            if p.kinds:
-                self.loss("kinds", {k: list(v) for k, v in p.kinds}, reason + " (so no [kinds] table either)")
+        if p.kinds:
+            self.loss("kinds", {k: list(v) for k, v in p.kinds}, f"{tool} has no [kinds] table: it names no "
+                      "layer kinds" if pins else reason + " (so no [kinds] table either)")
 
 
 def _policy_of(obj: Policy | LossScaleConfig, what: str) -> Policy:

@@ -244,6 +244,7 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
         r.origins["loss_scale.skip_nonfinite"] = f"zero_optimization.stage ({why})"
         if unchecked:
             r.loss("zero_optimization.stage", stage, unchecked)
+        r.note(f"skip_nonfinite for DeepSpeed {version}: {_rel.cell_source(version)}")
     default_reduce = {"fp16": "float16", "bf16": "bfloat16"}.get(mode or "", "float32")
     fields["reduce_dtype"] = comm_dtype or default_reduce
     r.origins["reduce_dtype"] = "communication_data_type" + (
@@ -344,6 +345,7 @@ def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple, stage: int, version:
     skip, why, unchecked = _rel.skips(version, "bf16", stage, check, fp32_accum)
     if unchecked:
         r.loss("zero_optimization.stage", stage, unchecked)
+    r.note(f"skip_nonfinite for DeepSpeed {version}: {_rel.cell_source(version)}")
     if check is not None and bool(check) != skip:
         r.note(f"{p[0]}.check_grad_overflow = {str(bool(check)).lower()} has no effect here: {why} "
                f"(DeepSpeed {version})")
@@ -449,6 +451,11 @@ def _skip_loss(w: _Writer, mode: str, want: bool, version: str, stage: int | Non
     """A loss naming the ZeRO stages whose DeepSpeed ``version`` does not do ``skip_nonfinite = want``."""
     stages = (stage,) if stage is not None else (0, 1, 2, 3)
     wrong = [z for z in stages if _rel.skips(version, mode, z, check)[0] != want]
+    unknown = [z for z in stages if z not in wrong and _rel.skips(version, mode, z, check)[2]]
+    if unknown:
+        names = ", ".join("no ZeRO" if z == 0 else f"ZeRO {z}" for z in unknown)
+        w.loss("loss_scale.skip_nonfinite", want, f"not known for DeepSpeed {version} under {names}: "
+               + _rel.skips(version, mode, unknown[0], check)[2])
     if wrong:
         names = ", ".join("no ZeRO" if z == 0 else f"ZeRO {z}" for z in wrong)
         w.loss("loss_scale.skip_nonfinite", want, f"DeepSpeed {version} {'does not skip' if want else 'skips'} "
@@ -476,6 +483,8 @@ def _ds_native(w: _Writer, p: Policy, version: str, stage: int | None = None) ->
         _ds_fp16_scale(w, ls, view, section, version)
         if stage == 0 and view["mode"] == "dynamic" and ls.hysteresis != 1:
             w.loss("loss_scale.hysteresis", ls.hysteresis, "FP16_Optimizer (no ZeRO) has no hysteresis")
+        if stage == 0 and view["mode"] == "dynamic" and ls.min_scale is not None and ls.on_min_scale != "clamp":
+            w.loss("loss_scale.on_min_scale", ls.on_min_scale, "FP16_Optimizer (no ZeRO) clamps at min_loss_scale")
         if p.param_dtype == "float16":
             section["fp16_master_weights_and_grads"] = True
             w.note("fp16_master_weights_and_grads keeps float16 master weights; DeepSpeed allows it only with "

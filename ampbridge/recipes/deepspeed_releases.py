@@ -28,6 +28,9 @@ STABLE_INTERVAL = (0, 17, 1)
 CHECK_DEFAULT_TRUE = (0, 19, 3)
 #: the old ``release=`` names, as the release each stands for
 RELEASE_NAMES = {"modulo": "0.17.0", "stable_interval": CURRENT}
+#: the release whose NaN-step table was measured on real engines (tests/backend_torch/test_recipes_real_tools.py,
+#: test_nan_step_table_from_real_engines_agrees_with_the_reading); the other CHECKED rows are read from source
+MEASURED = "0.19.8"
 
 
 def parse(version: str) -> tuple[int, int, int]:
@@ -56,6 +59,31 @@ def grows_late(version: str) -> bool:
     return parse(version) >= STABLE_INTERVAL
 
 
+def cell_source(version: str) -> str:
+    """How ampbridge knows the NaN-step cells of DeepSpeed ``version`` (said in a conversion's notes).
+
+    Example:
+        >>> cell_source("0.19.8").startswith("measured")
+        True
+        >>> cell_source("0.19.3").split(",")[0]
+        'read from the DeepSpeed 0.19.3 sources (stage_1_and_2.py'
+        >>> cell_source("0.20.0").split(":")[0]
+        'not read'
+    """
+    v = parse(version)
+    if v == parse(MEASURED):
+        return (f"measured on real DeepSpeed {MEASURED} engines (one NaN step per cell, "
+                "test_nan_step_table_from_real_engines_agrees_with_the_reading) and read from its sources")
+    if any(v == parse(c) for c in CHECKED):
+        return (f"read from the DeepSpeed {version} sources (stage_1_and_2.py, stage3.py, bf16_optimizer.py, "
+                f"engine.py), not measured: the NaN-step table was measured on {MEASURED} engines")
+    if parse(CHECKED[0]) < v < parse(CHECKED[-1]):
+        return (f"not read: DeepSpeed {version} lies between the releases read ({', '.join(CHECKED)}); where "
+                "those agree their rule is used, where they differ the cell is a loss")
+    return (f"not read: DeepSpeed {version} is outside the releases read ({CHECKED[0]}-{CHECKED[-1]}); every "
+            "bf16 and float32 cell is a loss")
+
+
 def _between(v: tuple[int, int, int], lo: str, hi: str) -> bool:
     return parse(lo) < v < parse(hi)
 
@@ -81,6 +109,13 @@ def skips(version: str, mode: str, stage: int, check: bool | None, fp32_accum: b
     - fp32 without ZeRO: the plain torch optimizer, never.
     """
     v = parse(version)
+    if mode != "fp16" and not parse(CHECKED[0]) <= v <= parse(CHECKED[-1]):
+        # outside the releases read, the cell is the nearest checked release's, said as a loss
+        near = CHECKED[0] if v < parse(CHECKED[0]) else CHECKED[-1]
+        skip, why, _ = skips(near, mode, stage, check, fp32_accum)
+        side = "older than the oldest" if near == CHECKED[0] else "newer than the newest"
+        return skip, why, (f"DeepSpeed {version} is {side} release whose sources were read ({near}): whether it "
+                           f"skips a non-finite {mode} step here is not known; read as {near} ({why})")
     new = v >= parse("0.19.8")
     unchecked = _between(v, "0.19.3", "0.19.8")
     between = ("DeepSpeed 0.19.4-0.19.7 not checked: read as 0.19.8 (which skips on a non-finite gradient "

@@ -33,12 +33,12 @@ WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "
 
 _READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "ampbridge": (), "deepspeed": ("auto", "version", "release"),
-    "accelerate": ("grad_scaler_kwargs", "base_dir", "version", "release", "device"),
-    "lightning": ("grad_scaler", "device", "api"), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
+    "accelerate": ("grad_scaler_kwargs", "base_dir", "version", "release", "device", "accelerate_version"),
+    "lightning": ("grad_scaler", "device", "api", "lightning_version"), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
     "flax": (),
 }
 _WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "ampbridge": (), "deepspeed": ("via", "version", "release", "stage"), "accelerate": (), "lightning": (), "keras": (), "jmp": (),
+    "ampbridge": (), "deepspeed": ("via", "version", "release", "stage"), "accelerate": (), "lightning": ("lightning_version",), "keras": (), "jmp": (),
     "grad-scaler": (), "flax": (), "fsdp": ("plan",),
 }
 _DS_MARKERS = {"fp16", "bf16", "bfloat16", "zero_optimization", "torch_autocast", "amp", "train_batch_size",

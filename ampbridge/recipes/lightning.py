@@ -11,6 +11,7 @@ from typing import Any
 from ..core.matching import did_you_mean
 from ..core.policy import LossScaleConfig, Policy
 from ..errors import PolicyError, Problem, UnsupportedOptionError
+from . import tool_releases as _rel
 from .convert import (
     _ALL_BUT_MATMUL,
     Conversion,
@@ -36,7 +37,7 @@ _LIGHTNING_ALL = tuple(_LIGHTNING) + ("64-true", "transformer-engine", "transfor
 
 
 def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = None, device: str | None = None,
-                   api: str | None = None) -> Conversion:
+                   api: str | None = None, lightning_version: str | None = None) -> Conversion:
     """A Lightning ``precision`` ("16-mixed", "bf16-true", 16, "bf16", ...) -> Policy.
 
     "-mixed" runs ``torch.autocast`` over float32 parameters ("16-mixed" with a torch GradScaler,
@@ -51,6 +52,10 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
     Fabric, and a "-mixed" precision reports the Trainer's difference as a loss on output_dtype.
     ``device``: "cuda" (the default) or "cpu": Lightning 2.6 turns "16-mixed" on CPU into
     "bf16-mixed" (Trainer and Fabric alike), read so.
+    ``lightning_version``: the release (default ``tool_releases.LIGHTNING_CURRENT``, 2.6.6). Names a
+    release does not accept are errors ("16-mixed" before 2.0.0, "16-true" before 2.1.0, bf16
+    before 1.5.0, and before 1.5.0 precision 16 on CPU); outside 1.5.0-2.6.6 a loss says the
+    rules are not known there.
 
     Example:
         >>> p = from_lightning(16).result
@@ -71,19 +76,29 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
         raise UnsupportedOptionError(f"precision={name!r} cannot be read: it runs fp8 matmuls through NVIDIA "
                                      "TransformerEngine, and ampbridge policies compute in float32, bfloat16 or "
                                      "float16 (the closest is 'bf16-mixed')")
+    v, unknown = _rel.lightning(lightning_version)
+    refused = _rel.lightning_name_problem(name, precision, v)
+    if refused:
+        raise PolicyError([Problem(refused, key="precision", value=precision, accepted="a precision that release "
+                                   "accepts, or --lightning-version for the release you run")])
+    if unknown:
+        r.loss("lightning_version", ".".join(map(str, v)), unknown)
     if name != precision:
         r.note(f"precision={precision!r} is Lightning's alias of {name!r}")
     if api not in (None, "trainer", "fabric"):
         raise ValueError(f"api={api!r}; accepted: trainer, fabric")
     if device not in (None, "cuda", "cpu"):
         raise ValueError(f"device={device!r}; accepted: cuda, cpu")
+    if name == "16-mixed" and device == "cpu" and _rel.lightning_cpu_16_problem(v):
+        raise PolicyError([Problem(str(_rel.lightning_cpu_16_problem(v)), key="precision", value=precision,
+                                   accepted="device='cuda', or Lightning 1.5.0 or later")])
     if name == "16-mixed" and device == "cpu":
         if grad_scaler:
             r.problem(("grad_scaler",), "on CPU Lightning runs '16-mixed' as 'bf16-mixed', without a GradScaler",
                       value=dict(grad_scaler), accepted="no grad_scaler with device='cpu'")
         name, grad_scaler = "bf16-mixed", None
-        r.note("precision '16-mixed' on CPU: Lightning 2.6 switches to 'bf16-mixed' (fp16 AMP is not supported on "
-               "CPU); read so")
+        r.note("precision '16-mixed' on CPU: Lightning (1.5.0 and later, PR 10033) switches to 'bf16-mixed' (fp16 "
+               "AMP is not supported on CPU); read so")
     elif name == "16-mixed":
         r.note("read for CUDA: on CPU (accelerator='cpu') Lightning switches '16-mixed' to 'bf16-mixed'; pass "
                "device='cpu' (--device cpu) for that")
@@ -119,8 +134,12 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
     return r.done(policy, _ALL_BUT_MATMUL)
 
 
-def to_lightning(policy: Policy) -> Conversion:
+def to_lightning(policy: Policy, *, lightning_version: str | None = None) -> Conversion:
     """Policy -> ``{"precision": "16-mixed", "grad_scaler": None | GradScaler arguments}``.
+
+    ``lightning_version`` (default 2.6.6): before 2.0.0 the precision is written as 1.x spelled it
+    (16, 32, "bf16"); before 2.1.0 "16-true"/"bf16-true" do not exist (written "-mixed", a loss on
+    param_dtype); before 1.5.0 bfloat16 cannot be written at all.
 
     ``grad_scaler`` (None when torch's defaults do) is for a custom plugin:
     ``Trainer(plugins=[MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler(**grad_scaler))])``.
@@ -146,6 +165,16 @@ def to_lightning(policy: Policy) -> Conversion:
                "Trainer leaves them as the model's last op makes them")
     elif p.compute_dtype != "float32":
         w.note("output_dtype float32 is Fabric's (it converts outputs); Lightning's Trainer does not convert them")
+    v, unknown = _rel.lightning(lightning_version)
+    if unknown:
+        w.loss("lightning_version", ".".join(map(str, v)), unknown)
+    if v < (1, 5, 0) and p.compute_dtype == "bfloat16":
+        raise UnsupportedOptionError(f"Lightning {'.'.join(map(str, v))} has no bfloat16 precision (it came in "
+                                     "1.5.0, PR 9049): write for a later --lightning-version, or float16")
+    if v < (2, 1, 0) and name in ("16-true", "bf16-true"):
+        name = name.replace("-true", "-mixed")
+        w.loss("param_dtype", p.param_dtype, f"Lightning before 2.1.0 has no true half precision (PR 18193): "
+               f"written as {name!r}, float32 parameters")
     if p.reduce_dtype != _LIGHTNING[name][1]:
         w.loss("reduce_dtype", p.reduce_dtype, "under DDP Lightning reduces gradients in the parameter dtype")
     scaler = None
@@ -156,4 +185,8 @@ def to_lightning(policy: Policy) -> Conversion:
                    "scaler=GradScaler(enabled=False))")
     else:
         _expect_no_scaling(w, p, f"Lightning precision {name!r}")
+    if v < (2, 0, 0):
+        old = {"32-true": 32, "16-mixed": 16, "bf16-mixed": "bf16"}[name]
+        w.note(f"Lightning before 2.0.0 spells {name!r} as precision={old!r} (the names changed in PR 16783)")
+        return w.done({"precision": old, "grad_scaler": scaler})
     return w.done({"precision": name, "grad_scaler": scaler})

@@ -72,6 +72,6 @@ def test_the_raise_at_the_minimum_comes_at_the_same_step():
 
 
 def test_the_later_release_is_reported_as_a_loss():
-    conversion = recipes.from_deepspeed(RECIPE)  # deepspeedai/DeepSpeed 18fd4c9 and later
+    conversion = recipes.from_deepspeed(RECIPE)  # 0.19.8: stable_interval (e440506, PR 6976, from 0.17.1)
     assert any(loss.setting == "fp16.loss_scale_window" and "one step later" in loss.reason
                for loss in conversion.losses)

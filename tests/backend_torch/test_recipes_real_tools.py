@@ -37,6 +37,26 @@ def rank_zero(monkeypatch):
 
 def test_installed_release_is_the_one_read_by_default():
     assert deepspeed.__version__ == recipes.DEEPSPEED_VERSION == "0.19.8"
+    from ampbridge.recipes import tool_releases
+
+    assert require("accelerate").__version__ == tool_releases.ACCELERATE_CURRENT
+    assert require("lightning").__version__ == tool_releases.LIGHTNING_CURRENT
+
+
+def test_lightning_release_rules_are_dated_by_its_own_changelog():
+    """The PRs tool_releases cites are in the sections of the CHANGELOG.md the installed Lightning ships."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(require("lightning").__file__).parent
+
+    def section(part, release):
+        text = (root / part / "CHANGELOG.md").read_text()
+        return re.search(rf"^## \[{re.escape(release)}\].*?(?=^## \[)", text, re.S | re.M)[0]
+
+    assert "#10033" in section("pytorch", "1.5.0") and "#9049" in section("pytorch", "1.5.0")
+    assert "#16783" in section("pytorch", "2.0.0") and "#16767" in section("fabric", "2.0.0")
+    assert "#18193" in section("pytorch", "2.1.0") and "#17287" in section("fabric", "2.1.0")
 
 
 def overflows(seed: int, rate: float) -> list[bool]:
