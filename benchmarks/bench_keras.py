@@ -90,6 +90,8 @@ def run_one(backend: str, rounds: int, steps: int) -> dict:
     result = {"backend": backend, "steps": steps, "rounds": rounds,
               "native_s": statistics.median(times["native"]), "ampbridge_s": statistics.median(times["ampbridge"])}
     result["ratio"] = result["ampbridge_s"] / result["native_s"]
+    paired = sorted(a / b for a, b in zip(times["ampbridge"], times["native"]))  # round by round
+    result["iqr"] = (paired[len(paired) // 4], paired[(3 * len(paired)) // 4])
     # the fastest epoch of each side: what contention from other processes cannot inflate
     result["min_ratio"] = min(times["ampbridge"]) / min(times["native"])
     if backend == "jax":
@@ -149,7 +151,7 @@ def main(argv: list[str]) -> int:
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     print(f"Keras fit epoch ({rows[0]['steps']} steps, median of {rows[0]['rounds']} interleaved rounds): "
           "ampbridge / native (target <= 1.03)")
-    print(f"{'backend':<11} {'native s':>9} {'ampbridge s':>12} {'ratio':>6} {'min ratio':>9}  exact counts")
+    print(f"{'backend':<11} {'native s':>9} {'ampbridge s':>12} {'ratio':>6} {'paired IQR':>11} {'n':>3} {'min ratio':>9}  exact counts")
     for r in rows:
         counts = ""
         if "native_hlo_ops" in r:
@@ -159,7 +161,7 @@ def main(argv: list[str]) -> int:
             counts = (f"graph ops/step {r['ampbridge_graph_ops']} vs {r['native_graph_ops']}, casts "
                       f"{r['ampbridge_graph_casts']} vs {r['native_graph_casts']}")
         print(f"{r['backend']:<11} {r['native_s']:>9.3f} {r['ampbridge_s']:>12.3f} {r['ratio']:>6.3f} "
-              f"{r['min_ratio']:>9.3f}  {counts}")
+              f"{'%.3f-%.3f' % tuple(r['iqr']):>11} {r['rounds']:>3} {r['min_ratio']:>9.3f}  {counts}")
     return 0
 
 

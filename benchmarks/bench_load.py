@@ -52,9 +52,11 @@ def main() -> int:
                 if n == 1:
                     fixed = load
                 per_entry[(fmt, n)] = max(load - fixed, 1e-9) / n
-                rows.append((fmt, f"{n:,}", f"{path.stat().st_size / 1e6:.1f}", f"{load:.3f}",
+                loads.sort()
+                iqr = f"{loads[len(loads) // 4]:.3f}-{loads[(3 * len(loads)) // 4]:.3f}"
+                rows.append((fmt, f"{n:,}", f"{path.stat().st_size / 1e6:.1f}", f"{load:.3f}", iqr, str(len(loads)),
                              f"{statistics.median(clis):.3f}", "-" if n == 1 else f"{1e6 * per_entry[(fmt, n)]:.1f}"))
-    head = ("format", "entries", "MB", "load s", "validate s (CLI)", "us per entry (above 1 entry)")
+    head = ("format", "entries", "MB", "load s", "load IQR s", "rounds", "validate s (CLI)", "us per entry (above 1 entry)")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     print("  ".join("-" * w for w in widths))

@@ -184,11 +184,11 @@ def main() -> None:
                       str(cb)))
     show(table)
     print()
-    table = [("train loop", "ms/step (median)", "wall ratio (median)", "interquartile", "CPU-time ratio (median)")]
+    table = [("train loop", "ms/step (median)", "wall ratio (median)", "interquartile", "rounds", "CPU-time ratio (median)")]
     for name in names:
         q1, q3 = np.percentile(ratios[name], [25, 75])
         table.append((name, f"{statistics.median(times[name]) * 1e3:.3f}", f"{statistics.median(ratios[name]):.3f}",
-                      f"{q1:.3f}-{q3:.3f}", f"{statistics.median(cpu_ratios[name]):.3f}"))
+                      f"{q1:.3f}-{q3:.3f}", str(len(ratios[name])), f"{statistics.median(cpu_ratios[name]):.3f}"))
     show(table)
     print(f"\n{args.rounds} interleaved rounds of {args.steps} steps each")
 

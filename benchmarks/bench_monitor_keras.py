@@ -91,7 +91,9 @@ def run_one(backend: str, rounds: int, steps: int) -> dict:
     result = {"backend": backend, "steps": steps, "rounds": rounds, "configs": []}
     for name in names:
         median = statistics.median(times[name])
+        paired = sorted(a / b for a, b in zip(times[name], times["none"]))
         result["configs"].append({"name": name, "s": median, "ratio": median / base,
+                                  "iqr": (paired[len(paired) // 4], paired[(3 * len(paired)) // 4]), "n": len(paired),
                                   "min_ratio": min(times[name]) / min(times["none"]),
                                   "per_step_ms": 1000 * (median - base) / steps})
     counts = {}
@@ -151,10 +153,10 @@ def main(argv: list[str]) -> int:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"Keras {r['backend']}: fit epoch of {r['steps']} steps, median of {r['rounds']} rotated rounds; "
               "ratio = monitored / unmonitored")
-        print(f"  {'monitor':<27} {'epoch s':>8} {'ratio':>6} {'min ratio':>9} {'ms/step':>8} {'ops/step':>9}")
+        print(f"  {'monitor':<27} {'epoch s':>8} {'ratio':>6} {'paired IQR':>11} {'n':>3} {'min ratio':>9} {'ms/step':>8} {'ops/step':>9}")
         for c in r["configs"]:
             ops = "" if c["ops"] is None else str(c["ops"])
-            print(f"  {c['name']:<27} {c['s']:>8.3f} {c['ratio']:>6.3f} {c['min_ratio']:>9.3f} "
+            print(f"  {c['name']:<27} {c['s']:>8.3f} {c['ratio']:>6.3f} {'%.3f-%.3f' % tuple(c['iqr']):>11} {c['n']:>3} {c['min_ratio']:>9.3f} "
                   f"{c['per_step_ms']:>+8.2f} {ops:>9}")
         print("  host transfers per step: 1 when monitored (the record, read after each step), 0 otherwise")
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampbridge
 import ampbridge.torch as abt
 from ampbridge.backends.torch import monitor as torch_monitor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _stats import quartiles  # noqa: E402
 
 F = torch.nn.functional
 nn = torch.nn
@@ -144,8 +148,8 @@ def run(optimizer, rounds, folder):
     base, base_cpu = wall["no monitor"], statistics.median(cpu["no monitor"])
     rows = []
     for name in sides:
-        paired = statistics.median(a / b for a, b in zip(wall[name], base))
-        rows.append((name, statistics.median(wall[name]) * 1e3, paired, statistics.median(cpu[name]) / base_cpu,
+        q1, paired, q3 = quartiles([a / b for a, b in zip(wall[name], base)])
+        rows.append((name, statistics.median(wall[name]) * 1e3, (paired, q1, q3, len(base)), statistics.median(cpu[name]) / base_cpu,
                      counts[name]))
     return rows
 
@@ -160,7 +164,7 @@ def main():
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rotating rounds per variant; "
           f"float16 compute, norms+embedding pinned, dynamic loss scale, 2 blocks d=64, batch 4x16")
-    header = (f"{'optimizer':12s} {'variant':27s} {'ms/step':>8s} {'paired':>7s} {'cpu':>6s} "
+    header = (f"{'optimizer':12s} {'variant':27s} {'ms/step':>8s} {'paired':>7s} {'paired IQR':>11s} {'n':>4s} {'cpu':>6s} "
               f"{'unsampled: syncs/transfers/ops':>31s} {'sampled: syncs/transfers/ops':>29s}")
     print(header)
     print("-" * len(header))
@@ -168,9 +172,9 @@ def main():
         for optimizer in ("SGD", "fused AdamW"):
             for name, ms, paired, cpu, counts in run(optimizer, rounds, folder):
                 (s0, t0, o0), (s1, t1, o1) = counts
-                print(f"{optimizer:12s} {name:27s} {ms:8.2f} {paired:7.3f} {cpu:6.3f} {f'{s0}/{t0}/{o0}':>31s} "
+                print(f"{optimizer:12s} {name:27s} {ms:8.2f} {paired[0]:7.3f} {f'{paired[1]:.3f}-{paired[2]:.3f}':>11s} {paired[3]:4d} {cpu:6.3f} {f'{s0}/{t0}/{o0}':>31s} "
                       f"{f'{s1}/{t1}/{o1}':>29s}")
-    print("paired: median of per-round wall-time ratios to no monitor; cpu: ratio of median process CPU times;\n"
+    print("paired: median of per-round wall-time ratios to no monitor (IQR: their interquartile range, n rounds); cpu: ratio of median process CPU times;\n"
           "counts are per step, exact (a transfer is one device-to-host copy of everything the step logs;\n"
           "syncs are .item()/bool() reads). A sampled step costs the same for every N: every=N costs about\n"
           "the unsampled step + (sampled - unsampled) / N.")

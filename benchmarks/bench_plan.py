@@ -28,8 +28,10 @@ def main() -> None:
             warnings.simplefilter("ignore")
             ampbridge.build_plan(layers, policy)
         times.append(time.perf_counter() - t0)
+    times.sort()
     print(f"build_plan: 10,000 layers x 50 rules: median {statistics.median(times) * 1000:.1f} ms "
-          f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}) over {len(times)} rounds")
+          f"(IQR {times[len(times) // 4] * 1000:.1f}-{times[(3 * len(times)) // 4] * 1000:.1f}, "
+          f"min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}) over {len(times)} rounds")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def timed(fn, rounds):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+    times.sort()  # (median, best, first quartile, third quartile, rounds)
+    return (statistics.median(times), times[0], times[len(times) // 4], times[(3 * len(times)) // 4], len(times))
 
 
 def bench_torch(n: int, rounds: int) -> list[tuple[str, float, float]]:
@@ -165,11 +166,11 @@ def main() -> None:
     if args.one:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for fw, what, median, best in BENCHES[args.one](args.modules, args.rounds):
-                print(f"RESULT {fw} {what} {median:.4f} {best:.4f}")
+            for fw, what, median, best, q1, q3, n in BENCHES[args.one](args.modules, args.rounds):
+                print(f"RESULT {fw} {what} {median:.4f} {best:.4f} {q1:.4f} {q3:.4f} {n}")
         return
     print(f"plan/apply of a {args.modules:,}-module model (median and best of {args.rounds} rounds; target < 1 s)")
-    print(f"{'framework':<10} {'what':<6} {'median s':>9} {'best s':>8}  note")
+    print(f"{'framework':<10} {'what':<6} {'median s':>9} {'best s':>8} {'IQR s':>13} {'n':>2}  note")
     floors = {"linen": ("tree", "Flax's module construction"), "nnx": ("clone", "Flax's nnx.clone")}
     for fw in args.frameworks.split(","):
         proc = subprocess.run([sys.executable, __file__, "--one", fw, "--modules", str(args.modules),
@@ -178,8 +179,8 @@ def main() -> None:
         if proc.returncode or not results:
             print(f"{fw:<10} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
             continue
-        flax = {what: float(median) for _, name, what, median, _ in results if name == "flax"}
-        for _, name, what, median, best in results:
+        flax = {what: float(median) for _, name, what, median, *_ in results if name == "flax"}
+        for _, name, what, median, best, q1, q3, n in results:
             if name == "flax":
                 note = "Flax itself, for scale"
             else:
@@ -187,7 +188,8 @@ def main() -> None:
                 floor = floors.get(name)
                 if floor and floor[0] in flax:
                     note += f"; {float(median) / flax[floor[0]]:.2f}x {floor[1]}"
-            print(f"{name:<10} {what:<6} {float(median):>9.3f} {float(best):>8.3f}  {note}")
+            print(f"{name:<10} {what:<6} {float(median):>9.3f} {float(best):>8.3f} "
+                  f"{f'{float(q1):.3f}-{float(q3):.3f}':>13} {n:>2}  {note}")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _stats import quartiles  # noqa: E402
 
 import ampbridge
 import ampbridge.torch as abt
@@ -188,11 +192,11 @@ def run_case(name, rounds, quick):
             wall[side].append(time.perf_counter() - start)
             cpu[side].append(time.process_time() - start_cpu)
     a, n = statistics.median(wall["ampbridge"]), statistics.median(wall["native"])
-    pair = statistics.median(x / y for x, y in zip(wall["ampbridge"], wall["native"]))
+    q1, pair, q3 = quartiles([x / y for x, y in zip(wall["ampbridge"], wall["native"])])
     cpu_ratio = statistics.median(cpu["ampbridge"]) / statistics.median(cpu["native"])
     extra_us = statistics.median(x - y for x, y in zip(wall["ampbridge"], wall["native"])) * 1e6
     ca, cn = counts
-    return {"case": name, "ampbridge_ms": a * 1e3, "native_ms": n * 1e3, "ratio": a / n, "paired": pair,
+    return {"case": name, "ampbridge_ms": a * 1e3, "native_ms": n * 1e3, "ratio": a / n, "paired": pair, "iqr": (q1, q3), "n": len(wall["native"]),
             "cpu": cpu_ratio, "extra_us": extra_us,
             "syncs": (ca["_local_scalar_dense"], cn["_local_scalar_dense"]), "casts": (ca["_to_copy"], cn["_to_copy"]),
             "ops": (sum(ca.values()), sum(cn.values())), "same": same}
@@ -252,7 +256,7 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} interleaved rounds per case, "
           f"fused AdamW; target ratio <= {TARGET}")
-    header = (f"{'case':40s} {'ampbridge ms':>12s} {'native ms':>9s} {'ratio':>6s} {'paired':>6s} {'cpu':>6s} "
+    header = (f"{'case':40s} {'ampbridge ms':>12s} {'native ms':>9s} {'ratio':>6s} {'paired':>6s} {'paired IQR':>11s} {'n':>4s} {'cpu':>6s} "
               f"{'+us/step':>8s} {'syncs a/n':>9s} {'casts a/n':>9s} {'aten ops a/n':>12s} {'identical':>9s}")
     print(header)
     print("-" * len(header))
@@ -261,9 +265,9 @@ def main():
         r = run_case(name, rounds, args.quick)
         worst = max(worst, r["paired"])
         print(f"{r['case']:40s} {r['ampbridge_ms']:12.2f} {r['native_ms']:9.2f} {r['ratio']:6.3f} {r['paired']:6.3f} "
-              f"{r['cpu']:6.3f} {r['extra_us']:8.0f} {'%d/%d' % r['syncs']:>9s} {'%d/%d' % r['casts']:>9s} "
+              f"{'%.3f-%.3f' % r['iqr']:>11s} {r['n']:4d} {r['cpu']:6.3f} {r['extra_us']:8.0f} {'%d/%d' % r['syncs']:>9s} {'%d/%d' % r['casts']:>9s} "
               f"{'%d/%d' % r['ops']:>12s} {str(r['same']):>9s}")
-    print("ratio: medians of wall time; paired: median of per-round ratios; cpu: medians of process CPU time;\n"
+    print("ratio: medians of wall time; paired: median of per-round ratios (IQR: their interquartile range, n rounds); cpu: medians of process CPU time;\n"
           "+us/step: median per-round difference (ampbridge - native); counts are per step, exact.")
     a, n = python_overhead(reps=10 if args.quick else 40)
     print(f"python overhead, 7 pinned modules + root on a model with no arithmetic to speak of: "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 OUT = HERE.parent / "docs" / "benchmarks.md"
+GPU_NOTE = ("GPU: `python benchmarks/gpu.py` (under 8 minutes on one GPU) checks every torch Plan row's CUDA claim against the dispatcher, parity with native AMP (torch, Keras, JAX), the float16/bfloat16 speedup over float32 and peak memory, and writes docs/gpu.md. No GPU has been lent to this project yet, so there is no GPU table: everything below ran on the CPU; CI runs `gpu.py --dry-run` (tests/backend_torch/test_gpu_script.py) so the script cannot rot.")
 PACKAGES = ("ampbridge", "torch", "tensorflow-cpu", "keras", "jax", "jaxlib", "flax", "optax", "jmp", "numpy")
 
 
@@ -86,7 +87,9 @@ def main(argv: list[str]) -> int:
             header, sections = _merged(sections)
         if header is None:
             header = ("# Benchmarks\n\nWritten by `make bench` (`python benchmarks/run.py`). Every speed is a ratio "
-                      "against the native equivalent measured in the same process.\n\n" + "\n".join(machine()) + "\n\n")
+                      "against the native equivalent measured in the same process; every timed row gives its median, "
+                      "interquartile range (IQR) and number of rounds.\n\n" + GPU_NOTE + "\n\n"
+                      + "\n".join(machine()) + "\n\n")
         OUT.write_text(header + "\n".join(sections))
         print(f"written to {OUT}")
     return status

@@ -163,7 +163,8 @@ def format_summary(s: Summary) -> str:
                                     str(s.nonfinite_layers.get(p, 0))) for p in rows]))
         if s.nonfinite_steps > s.nonfinite_sampled:
             lines.append(f"  ({s.nonfinite_steps - s.nonfinite_sampled} of the {s.nonfinite_steps} non-finite steps "
-                         "were not sampled: on those only the first layer to go non-finite is known, and counted)")
+                         "have no per-layer statistics (a torch fused optimizer's unread steps, or an older log): "
+                         "on those only the first layer to go non-finite is known, and counted)")
     lines.append("advice:" if s.advice else "advice: none; the numbers look healthy")
     lines += [f"  - {a}" for a in s.advice]
     return "\n".join(lines)

@@ -330,7 +330,8 @@ def test_gradients_with_numerics(demo, bits_equal):
 def test_sampling_every_100_logs_statistics_on_0_100_200_and_every_skip(tmp_path, two_programs):
     """``every=100`` on the device (a lax.cond on the step counter) or as two compiled steps
     chosen on the host; either way steps 0, 100, 200 carry statistics, and the non-finite steps
-    are logged, with empty layers, whenever they happen."""
+    are logged whenever they happen, with every layer's statistics too (issue 23: a lax.cond on
+    the step being non-finite, which a finite unsampled step pays only as its predicate)."""
     amp, params, opt_state, step, x, y, _ = setup()
     log = tmp_path / "run.jsonl"
     poisoned = {50, 151}
@@ -342,7 +343,8 @@ def test_sampling_every_100_logs_statistics_on_0_100_200_and_every_skip(tmp_path
             monitor.record(i, stats)
     steps = read_log(log).steps
     assert [s["step"] for s in steps] == [0, 50, 100, 151, 200]
-    assert [bool(s["layers"]) for s in steps] == [True, False, True, False, True]
+    assert [bool(s["layers"]) for s in steps] == [True] * 5
+    assert all(stats["nonfinite"] == 1.0 for stats in steps[3]["layers"].values())  # a nan loss: every gradient
     assert [s["skipped"] for s in steps] == [False, True, False, True, False]
     assert set(steps[2]["layers"]) == {"first", "block.mid", "block.gate", "big", "norm", "head"}
     # the closing record: every step recorded, logged or not (issue 23)
@@ -367,8 +369,9 @@ def test_report_names_the_planted_layer_counts_skips_and_plots(tmp_path, capsys)
     text = capsys.readouterr().out
     assert "run: jax, compute float16, 24 step(s) (steps 0-23), 18 in the log" in text  # not 22 (issue 23)
     assert "skipped steps: 6 (1, 5, 9, 13, 17, 21)" in text
-    # steps non-finite: none of the 6 was sampled; each counts for the layer it started in
+    # steps non-finite: none of the 6 was sampled, yet each has per-layer statistics (issue 23)
     assert re.search(r"^big +[0-9.]+% +6$", text, re.MULTILINE), text
+    assert all(s["layers"] for s in read_log(log).steps) and "have no per-layer statistics" not in text
     assert "first layer to go non-finite, by steps: big (6)" in text and 'keep_float32 = ["big"]' in text
     png = (tmp_path / "run.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -102,7 +102,9 @@ def test_a_forward_overflow_names_the_layer_whose_output_overflowed(tmp_path):
     assert applied == [True, True, True, False, True, True]
     log = read_log(tmp_path / "run.jsonl")
     step = by_step(log)[3]
-    assert step["found_inf"] and step["skipped"] and step["layers"] == {}
+    assert step["found_inf"] and step["skipped"]
+    # unsampled, yet with every layer's statistics: a non-finite step always has them (issue 23)
+    assert set(step["layers"]) == {"0", "2", "4", "6"} and step["layers"]["2"]["nonfinite"] > 0
     assert step["first_nonfinite"] == {"path": "2", "where": "output"}
     assert step["loss_scale"] == 65536.0 and amp.scaler.get_scale() == 32768.0  # the scale it used, then backed off
     assert sorted(by_step(log)) == [0, 3]  # step 0 sampled, the skipped step always logged
@@ -217,7 +219,7 @@ def test_every_100_samples_steps_0_100_200_and_logs_every_skip(tmp_path):
             opt.zero_grad()
     steps = by_step(read_log(tmp_path / "run.jsonl"))
     assert sorted(steps) == [0, 57, 100, 150, 200]
-    assert {k for k, s in steps.items() if s["layers"]} == {0, 100, 200}
+    assert {k for k, s in steps.items() if s["layers"]} == {0, 57, 100, 150, 200}  # and every non-finite one
     assert [k for k, s in steps.items() if s["skipped"]] == [57, 150]
     assert steps[150]["first_nonfinite"] == {"path": "", "where": "loss"}
     # the closing record: every step the monitor saw, logged or not (issue 23)
@@ -419,3 +421,31 @@ def test_the_step_that_stops_the_run_is_logged(tmp_path):
             amp.step(model(torch.ones(1, 2)).sum() * float("inf"), opt)
     (step,) = read_log(tmp_path / "run.jsonl").steps
     assert step["found_inf"] and step["loss_scale"] == 1.0 and step["first_nonfinite"]["where"] == "loss"
+
+
+def test_every_non_finite_step_has_layer_statistics_and_the_report_counts_both(tmp_path):
+    """Two skipped steps, 4 (sampled) and 5 (not): both carry every layer's statistics, equal to
+    those of an every=1 monitor on the same run, and `report` counts 2 per layer (issue 23)."""
+    logs = {}
+    for every in (1, 4):
+        model = chain()
+        amp = abt.apply(model, Policy(compute_dtype="float16", loss_scale={"mode": "dynamic", "min_scale": 1.0}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with amp.monitor(tmp_path / f"run{every}.jsonl", every=every):
+            applied = train(model, amp, opt, data(8), lambda i: big_weights(model[4], 1e6) if i in (4, 5) else
+                            contextlib.nullcontext())
+        assert applied == [True] * 4 + [False, False, True, True]
+        logs[every] = by_step(read_log(tmp_path / f"run{every}.jsonl"))
+    assert sorted(logs[4]) == [0, 4, 5]
+    for step in (4, 5):
+        assert repr(logs[4][step]["layers"]) == repr(logs[1][step]["layers"])  # repr: nan equals nan
+        assert logs[4][step]["layers"]["4"]["nonfinite"] > 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert ampbridge.cli.commands.main(["report", str(tmp_path / "run4.jsonl")]) == 0
+    text = out.getvalue()
+    assert "skipped steps: 2 (4, 5)" in text
+    bad = [p for p, s in logs[4][5]["layers"].items() if s["nonfinite"] > 0]
+    for path in bad:
+        assert any(line.split()[:1] == [path] and line.split()[-1] == "2" for line in text.splitlines()), text
+    assert "have no per-layer statistics" not in text

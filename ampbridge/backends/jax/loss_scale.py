@@ -22,6 +22,7 @@ from ...core.loss_scale import LossScaleState as ReferenceState
 from ...core.loss_scale import initial_state as _reference_initial_state
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError, warn_once
+from ..private_hooks import tested_range
 from .environment import _optax, _phase_policy, resolve_policy
 
 
@@ -146,7 +147,11 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array) -> t
     backoff = found_inf & exhausted
     backed = mul(cfg.backoff_factor)
     event = jnp.zeros((), bool)
-    if cfg.min_scale is not None:
+    if cfg.min_scale is not None and floor_is_normal:
+        # a normal floor: float compare and max are exact (a flushed product loses to the floor either way)
+        event = backoff & (scale == f32(cfg.min_scale))
+        backed = jnp.maximum(backed, f32(cfg.min_scale))
+    elif cfg.min_scale is not None:
         # non-negative float32 values order like their bit patterns: compare those (no flushing)
         floor_bits = _f32_bits(cfg.min_scale)
         event = backoff & (as_int(scale) == floor_bits)
@@ -154,8 +159,10 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array) -> t
     good_next = good + 1
     grow = ~found_inf & (good_next == cfg.growth_interval)
     grown = mul(cfg.growth_factor)
-    grown_ok = grow & ((as_int(grown) & _F32_INF_BITS) != _F32_INF_BITS)
-    if cfg.max_scale is not None:
+    grown_ok = grow & jnp.isfinite(grown)  # isfinite reads the exponent: flushing cannot change it
+    if cfg.max_scale is not None and np.float32(cfg.max_scale) >= np.finfo(np.float32).tiny:
+        grown = jnp.minimum(grown, f32(cfg.max_scale))
+    elif cfg.max_scale is not None:
         grown = as_f32(jnp.minimum(as_int(grown), _f32_bits(cfg.max_scale)))
     new_scale = jnp.where(backoff, backed, jnp.where(grown_ok, grown, scale))
     new_good = jnp.where(found_inf | grow, jnp.zeros((), i32), good_next)
@@ -229,7 +236,8 @@ def _host_report(kind: str, limit: float | None) -> Callable:
     return report
 
 
-def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callback: bool = False) -> Any:
+def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callback: bool = False,
+              axis_name: Any = None) -> Any:
     """Wrap an optax transformation with the policy's loss scaling (the reference algorithm).
 
     ``update(grads, state, params)`` takes the gradients of :func:`scale_loss`'s scaled loss,
@@ -247,6 +255,9 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
     ``host_callback=True`` also reports from inside the step through ``jax.debug.callback``
     (one host callback per step; the default adds none). A policy with ``[[phase]]`` tables gives
     its first phase's loss scaling; :class:`Schedule` builds one optimizer per phase.
+    ``axis_name`` (inside ``shard_map``/``pmap``): the non-finite flag is agreed over that axis
+    (one scalar ``pmin``), so all devices skip a step any of them found non-finite
+    (``ampbridge.backends.jax.distributed``).
 
     Example:
         >>> import jax.numpy as jnp, optax, ampbridge
@@ -266,6 +277,8 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
     scaled = cfg.mode in ("dynamic", "static")
     checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
 
+    verified = [False]  # the first-step guard (_verify_first_update) has passed
+
     def init_fn(params: Any) -> AmpState:
         return AmpState(_initial(cfg), inner.init(params))
 
@@ -280,26 +293,59 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
         else:
             grads = updates
         finite = _all_finite(grads) if checks_finite else jnp.ones((), bool)
+        if axis_name is not None and checks_finite:  # data parallel: every device skips together
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
         new_ls, halted = _advance(cfg, ls, ~finite)
         if report is not None:
             event = new_ls.min_scale_hits > ls.min_scale_hits
             jax.debug.callback(report, event, ls.steps)
         inner_updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
-        skip_conditions = []
+        proposed = inner_updates
+        keep_conditions = []  # the update is taken when all hold (no double negation in the program)
         if cfg.skip_nonfinite:
-            skip_conditions.append(~finite)
+            keep_conditions.append(finite)
         if cfg.on_min_scale == "error" and cfg.min_scale is not None:
-            skip_conditions.append(halted)
-        if skip_conditions:
-            take = ~functools.reduce(jnp.logical_or, skip_conditions)
-            # -0.0, not 0.0: p + -0.0 == p bit for bit for every p (p + 0.0 turns -0.0 into +0.0)
-            inner_updates = jax.tree_util.tree_map(
-                lambda u: jnp.where(take, u, jnp.full_like(u, -0.0)), inner_updates)
-            inner_state = optax.tree_utils.tree_where(take, inner_state, state.inner_state)
+            keep_conditions.append(~halted)
+        if keep_conditions:
+            take = functools.reduce(jnp.logical_and, keep_conditions)
+            inner_updates, inner_state = _keep_or_skip(take, inner_updates, inner_state, state.inner_state)
+        if not verified[0]:
+            verified[0] = _verify_first_update(finite & ~halted, ls, new_ls, proposed, inner_updates)
         return inner_updates, AmpState(new_ls, inner_state)
 
     tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
     return tx
+
+
+def _keep_or_skip(take: jax.Array, updates: Any, inner_state: Any, old_inner_state: Any) -> tuple[Any, Any]:
+    """The inner transformation's updates and state where ``take``, else no update and the old state."""
+    # -0.0, not 0.0: p + -0.0 == p bit for bit for every p (p + 0.0 turns -0.0 into +0.0)
+    updates = jax.tree_util.tree_map(lambda u: jnp.where(take, u, jnp.full_like(u, -0.0)), updates)
+    return updates, _optax().tree_utils.tree_where(take, inner_state, old_inner_state)
+
+
+def _verify_first_update(finite: jax.Array, before: LossScaleState, after: LossScaleState, proposed: Any,
+                         returned: Any) -> bool:
+    """The first-step guard (issue 22), run on the host once, on the first update called with
+    values (inside ``jit`` nothing can be read: it waits for an eager call, and costs nothing).
+    A finite step must advance ``steps`` by one and return the inner transformation's updates;
+    else raises :class:`ampbridge.errors.UnsupportedOptionError` naming the jax and optax versions.
+    Returns whether the check was made (False: traced, or a skipped step, which proves nothing)."""
+    try:
+        applied = bool(finite)  # finite, and not stopped by on_min_scale = "error"
+    except jax.errors.ConcretizationTypeError:  # traced (jit, scan, grad): no values to look at
+        return False
+    if not applied:
+        return False
+    same = all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(jax.tree_util.tree_leaves(proposed),
+                                                            jax.tree_util.tree_leaves(returned)))
+    if same and int(after.steps) == int(before.steps) + 1:
+        return True
+    optax = _optax()
+    raise UnsupportedOptionError(
+        f"ampbridge.jax.optimizer: a finite step did not apply the inner transformation's updates on jax "
+        f"{jax.__version__}, optax {optax.__version__}, so training would not update the weights; "
+        f"ampbridge supports {tested_range('jax')}, {tested_range('optax')}")
 
 
 def _unwrap_variables(tree: Any) -> Any:

@@ -253,7 +253,8 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
     - per layer owning parameters (its Plan path), counts and magnitudes from which
       ``ampbridge.diagnostics.runlog.layer_stats`` follows exactly, of the scaled gradients against the row's
       compute dtype; computed every ``every``-th optimizer step (``lax.cond`` on the step counter
-      in the loss-scale state; 1: every step; None: never, for a second compiled step without them);
+      in the loss-scale state; 1: every step; None: none on finite steps, for a second compiled
+      step without them), and on every non-finite step (the ``lax.cond`` costs a finite step nothing);
     - with ``attribution``, flags per leaf module (a module without submodules): its forward
       output was non-finite (the method interceptor watches every output) and its gradient went
       non-finite (identities with a ``custom_vjp`` report the cotangent's finiteness through the
@@ -385,14 +386,13 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
         def no_stats(_: Any) -> tuple[jax.Array, jax.Array]:
             return (jnp.zeros((len(layers), 4), jnp.int32), jnp.full((len(layers), 2), jnp.nan, jnp.float32))
 
-        if every is None:
-            sampled = jnp.zeros((), bool)
-            counts, magnitudes = no_stats(None)
-        elif every == 1:
+        # a non-finite step is always sampled (its statistics name every bad layer); a finite
+        # unsampled step pays the predicate only
+        if every == 1:
             sampled = jnp.ones((), bool)
             counts, magnitudes = compute_stats(None)
         else:
-            sampled = ls.steps % every == 0
+            sampled = ~finite if every is None else (ls.steps % every == 0) | ~finite
             counts, magnitudes = jax.lax.cond(sampled, compute_stats, no_stats, None)
 
         # attribution: candidates are the leaf modules (then any other layer owning parameters)
@@ -531,7 +531,7 @@ class Monitor:
         loss = float(host.loss)
         writer.step(step, loss=loss if np.isfinite(loss) else None, loss_scale=float(host.loss_scale),
                           found_inf=found_inf, skipped=bool(host.skipped),
-                          layers=host.layer_stats() if due else None,
+                          layers=host.layer_stats() if due else (host.layer_stats() or None),
                           first_nonfinite=host.first_nonfinite() if found_inf else None)
 
     def flush(self) -> None:

@@ -78,7 +78,8 @@ class Monitor:
     torch ops on the device and read in one transfer. A step whose gradients were non-finite is
     always logged, with ``first_nonfinite``: the first leaf module (forward order) whose output was
     non-finite, else the first (backward order) whose input gradient or own parameter gradient
-    was, else ``{"path": "", "where": "loss"}``.
+    was, else ``{"path": "", "where": "loss"}``; and, when the host read ``found_inf`` (the
+    default loop: the scaler syncs to skip), with every layer's statistics, sampled or not.
 
     Attribution (``attribution=True``) costs a forward hook per leaf module and a view plus a
     tensor hook per leaf input that needs a gradient (two small device ops each, every step, no
@@ -247,9 +248,14 @@ class Monitor:
         if step % self.every == 0:
             self._stats = self._layer_stats(scale)
 
-    def _layer_stats(self, scale: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
+    def _layer_stats(self, scale: torch.Tensor | None, unscaled: bool = False
+                     ) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
         """Per layer on the device: finite count, max |g/S|, sum (g/S)^2, zeros, below the smallest
-        subnormal once unscaled (zeros included), zero once unscaled, beyond the compute max (scaled)."""
+        subnormal once unscaled (zeros included), zero once unscaled, beyond the compute max (scaled).
+
+        ``unscaled``: the gradients were already divided by ``scale`` (the scaler's in-place
+        unscale; exact for a power-of-two scale, and non-finite values stay non-finite), so the
+        scaled values are ``g * S``."""
         from ...core.dtypes import formats
 
         plan, facts, acc = self._amp.plan, formats(), self._acc
@@ -266,9 +272,12 @@ class Monitor:
             zero = (a == 0).sum()
             finite = (a < math.inf).sum()  # a = |g|: false for inf and nan
             a.nan_to_num_(0.0, 0.0, 0.0)
-            over = (a > fmt.max).sum()
-            if scale is not None:
-                a.div_(scale.to(acc))
+            if unscaled:
+                over = (a * scale.to(acc) > fmt.max).sum() if scale is not None else (a > fmt.max).sum()
+            else:
+                over = (a > fmt.max).sum()
+                if scale is not None:
+                    a.div_(scale.to(acc))
             rows.append(torch.stack([finite, a.max(), torch.dot(a, a), zero, (a < fmt.smallest_subnormal).sum(),
                                      (a == 0).sum(), over]).to(acc))
             meta.append((path, n))
@@ -288,6 +297,10 @@ class Monitor:
         stats, self._stats = self._stats, None
         if known is False and stats is None:
             return  # the common step: nothing read, nothing written
+        if known and stats is None:
+            # a non-finite step the host already knows of, its gradients still here (unscaled by
+            # now): per-layer statistics on every such step, at no cost to the finite ones
+            stats = self._layer_stats(scale, unscaled=True)
         acc = self._acc
         device = scale.device if scale is not None else torch.device(self._amp.device_type)
         # device values, read as one vector; the host tells non-finite maxima apart itself
