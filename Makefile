@@ -4,9 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 CORE_VENV := .venv-core
 MIN_VENV := .venv-min
+CORE313_VENV := .venv-core313
+PYTHON313 ?= $(shell python3.13 -c 'import sys; print(sys.executable)' 2>/dev/null || ls -d $$(pyenv root 2>/dev/null)/versions/3.13*/bin/python3.13 2>/dev/null | tail -1)
 PIP := -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test test-core test-all test-min bench clean
+.PHONY: demo test test-core test-all test-min test-core-313 bench clean
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	rm -rf $(VENV)
@@ -63,8 +65,17 @@ test-min: $(MIN_VENV)/.stamp
 	done; \
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(MIN_VENV)/bin/python -m pytest -q tests/backend_jax )
 
+# the core suite on Python 3.13 (requires-python's newest tested): python3.13 on PATH or pyenv's,
+# else one line saying so (no download of an interpreter)
+test-core-313:
+	@if [ -z "$(PYTHON313)" ]; then echo "test-core-313: no python3.13 (PATH or pyenv): the core suite ran on $$($(PYTHON) --version) only"; else \
+	set -e; [ -f $(CORE313_VENV)/.stamp ] && [ $(CORE313_VENV)/.stamp -nt pyproject.toml ] && [ $(CORE313_VENV)/.stamp -nt constraints.txt ] || { \
+	rm -rf $(CORE313_VENV); $(PYTHON313) -m venv $(CORE313_VENV); \
+	$(CORE313_VENV)/bin/python $(PIP) -e '.[test]'; touch $(CORE313_VENV)/.stamp; }; \
+	$(CORE313_VENV)/bin/python --version; $(CORE313_VENV)/bin/python -m pytest tests/core -q; fi
+
 bench: $(VENV)/.stamp
 	$(VENV)/bin/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) $(CORE_VENV) $(MIN_VENV) build *.egg-info
+	rm -rf $(VENV) $(CORE_VENV) $(MIN_VENV) $(CORE313_VENV) build *.egg-info
