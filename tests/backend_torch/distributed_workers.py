@@ -3,7 +3,8 @@ SCENARIO OUT_DIR PORT`` starts 2 ranks (torch.multiprocessing spawn, gloo on 127
 write ``OUT_DIR/rank<r>.pt``; the tests read those files and assert.
 
 Scenarios: ``ddp`` (wrap_ddp: reduce_dtype, overflow on one rank), ``fsdp2`` (fully_shard with the
-Plan per group, overflow on one shard, DCP checkpoint and resume).
+Plan per group, overflow on one shard, DCP checkpoint and resume), ``deepspeed2`` (ZeRO 2, overflow on
+one rank); one process: ``deepspeed``, ``deepspeed_global`` (deepspeed2's global batch, the reference).
 """
 
 from __future__ import annotations
@@ -394,6 +395,61 @@ def _deepspeed_autocast_with_pins(config: dict) -> dict:
             "params": sorted({str(p.dtype) for p in model.parameters()})}
 
 
+DS_OVERFLOW_RANK = 1  # the rank whose loss is inf at the DS_OVERFLOWS steps; the other rank stays finite
+
+
+def _deepspeed_engine(micro_batch: int):
+    """ZeRO 2 with fp16 from deepspeed_policy on the process group already set up."""
+    import ampbridge.torch as abt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
+    engine, opt, _, _ = abt.deepspeed_initialize(model, deepspeed_policy(), config, model_parameters=model.parameters(),
+                                                 accept=["loss_scale.growth_interval"])
+    return engine, opt
+
+
+def _deepspeed_train(rank: int | None) -> dict:
+    """The global batch of 8 per step; rank None is one process on all of it (the reference)."""
+    engine, opt = _deepspeed_engine(8 if rank is None else 8 // WORLD)
+    g = torch.Generator().manual_seed(2)
+    states = []
+    for overflow in DS_OVERFLOWS:
+        x = torch.randn(8, 8, generator=g).half()
+        if rank is not None:
+            x = x.chunk(WORLD)[rank]
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss * math.inf if overflow and rank in (DS_OVERFLOW_RANK, None) else loss)
+        engine.step()
+        states.append((float(opt.loss_scaler.cur_scale), int(opt.loss_scaler.cur_hysteresis)))
+    return {"states": states, "skipped": engine.skipped_steps,
+            "params": [p.detach().float().clone() for p in engine.module.parameters()]}
+
+
+def _ds_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    import deepspeed as ds
+
+    torch.set_num_threads(1)
+    ds.init_distributed(dist_backend="gloo")
+
+
+def deepspeed2(rank: int, port: int, out: str) -> None:
+    """2 ranks of DeepSpeed's CPU engine (gloo), the overflow on DS_OVERFLOW_RANK only."""
+    _ds_env(rank, WORLD, port)
+    torch.save(_deepspeed_train(rank), os.path.join(out, f"ds{rank}.pt"))
+
+
+def deepspeed_global(port: int, out: str) -> None:
+    """The same run in one process on the whole global batch: the reference for deepspeed2."""
+    _ds_env(0, 1, port)
+    torch.save(_deepspeed_train(None), os.path.join(out, "ds_global.pt"))
+
+
 def _main(rank: int, scenario: str, port: int, out: str) -> None:
     try:
         globals()[scenario](rank, port, out)
@@ -405,6 +461,6 @@ def _main(rank: int, scenario: str, port: int, out: str) -> None:
 if __name__ == "__main__":
     scenario, out, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the spawned ranks
-    if scenario == "deepspeed":  # one process
-        sys.exit(deepspeed(port, out))
+    if scenario in ("deepspeed", "deepspeed_global"):  # one process
+        sys.exit(globals()[scenario](port, out))
     mp.spawn(_main, args=(scenario, port, out), nprocs=WORLD, join=True)
