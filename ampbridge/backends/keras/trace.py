@@ -1,0 +1,136 @@
+"""What one forward really ran in: ``plan(model, policy, *inputs)`` applies the policy to a clone of
+the model, runs one forward with a probe on every layer and writes the observed dtypes onto the
+static Plan's rows.
+
+Holds ``plan`` (the package's public one: the static Plan of the ``plan`` room, traced when inputs
+are given).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from ...core.plan import Plan, with_note
+from ...core.policy import Policy
+from ...errors import UnsupportedOptionError
+from .apply import _is_float, apply
+from .environment import _backend
+from .layers import layers
+from .plan import plan as _static_plan
+
+
+def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> Plan:
+    """The Plan of a Keras model under a policy; with example inputs, one forward runs (on a clone,
+    applied; the model itself is untouched) and each row's compute and output dtype are what ran.
+
+    The probe sees each layer's ``call``: compute is the dtype its call returns, output what
+    ``layer(...)`` returns. Ops inside a call are not seen, so a row whose static note already says
+    Keras computes in float32 internally (norm layers) keeps that compute dtype. Rows changed by
+    the trace say ``traced: ...``; layers that did not run say so.
+
+    Example:
+        >>> import keras, ampbridge
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
+        >>> plan(m, "mixed_bfloat16", keras.ops.ones((1, 2)))["head"].output_dtype
+        'bfloat16'
+    """
+    static = _static_plan(model, policy, warn=warn)
+    if not inputs:
+        return static
+    try:
+        twin = keras.models.clone_model(model)
+        twin.set_weights(model.get_weights())
+    except Exception as e:  # clone_model needs a Functional/Sequential model or a get_config
+        raise UnsupportedOptionError(f"plan(model, policy, *inputs) traces a clone of the model; "
+                                     f"keras.models.clone_model refused {type(model).__name__}: {e}") from e
+    restore = _matmul_precision_restorer()  # apply sets it process-wide; a Plan changes nothing
+    try:
+        apply(twin, static.policy, warn=False)
+        records = _probe(twin)
+        twin(*inputs)
+    finally:
+        restore()
+    composite = {p: isinstance(layer, keras.Model) for p, layer in layers(twin)}  # its call is its graph
+    rows = []
+    for row in static.rows:
+        rec = records.get(row.path)
+        if rec is None:  # not in the clone (a layer built lazily): nothing observed
+            rows.append(row)
+            continue
+        if not (rec["returns"] or rec["outputs"]):
+            rows.append(with_note(row, _join(row.note, "did not run in the traced forward")))
+            continue
+        changes: dict[str, Any] = {}
+        ran = _one(rec["returns"])
+        internal = "internally" in (row.note or "")  # Keras upcasts inside the call: the probe cannot see it
+        if ran and "+" not in ran and ran != row.compute_dtype and not internal and not composite.get(row.path):
+            changes["compute_dtype"] = ran
+        out = _one(rec["outputs"])
+        if out and "+" not in out and out != row.output_dtype:
+            changes["output_dtype"] = out
+        if not changes:
+            rows.append(row)
+            continue
+        said = ", ".join(f"{k.split('_')[0]} {v}" for k, v in changes.items())
+        rows.append(with_note(row, _join(row.note, f"traced: ran {said}"), **changes))
+    return Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules,
+                static.notes + ("traced: dtypes observed in one forward",))
+
+
+def _probe(model: Any) -> dict[str, dict[str, set[str]]]:
+    """Per layer path: the float dtypes its ``call`` returns and ``layer(...)`` returns (outermost:
+    the clone's class is swapped for a recording subclass, whatever wraps ``call``)."""
+    records: dict[str, dict[str, set[str]]] = {}
+    for path, layer in layers(model):
+        rec = records.setdefault(path, {"returns": set(), "outputs": set()})
+        inner = layer.call
+
+        def call(*args: Any, _inner: Any = inner, _rec: Any = rec, **kwargs: Any) -> Any:
+            out = _inner(*args, **kwargs)
+            _rec["returns"] |= _floats(out)
+            return out
+
+        object.__setattr__(layer, "call", call)
+
+        def __call__(self: Any, *args: Any, _rec: Any = rec, **kwargs: Any) -> Any:
+            out = super(type(self), self).__call__(*args, **kwargs)
+            _rec["outputs"] |= _floats(out)
+            return out
+
+        cls = type(layer)
+        layer.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return records
+
+
+def _matmul_precision_restorer() -> Any:
+    backend = _backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+        return lambda: tf.config.experimental.enable_tensor_float_32_execution(tf32)
+    if backend == "jax":
+        import jax
+
+        precision = jax.config.jax_default_matmul_precision
+        return lambda: jax.config.update("jax_default_matmul_precision", precision)
+    if backend == "torch":
+        import torch
+
+        precision = torch.get_float32_matmul_precision()
+        return lambda: torch.set_float32_matmul_precision(precision)
+    return lambda: None
+
+
+def _floats(tree: Any) -> set[str]:
+    return {keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(tree) if _is_float(t)}
+
+
+def _one(dtypes: set[str]) -> str | None:
+    return "+".join(sorted(dtypes)) if dtypes else None
+
+
+def _join(*parts: str | None) -> str:
+    return "; ".join(p for p in parts if p)
