@@ -25,7 +25,8 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
   optax state (chains, ``MultiSteps``, ``nnx.Optimizer``); :func:`value_and_grad` scales the loss
   for you (``jax.value_and_grad`` style); :func:`skipped` and :func:`rollback` keep any other state
   (``batch_stats``) as it was on a skipped step.
-- :func:`plan` / :func:`owns` for ``ampbridge.plan(module, policy, *example_inputs)``.
+- :func:`plan` / :func:`owns` for ``ampbridge.plan(module, policy, *example_inputs)``;
+  :func:`trace`: the Plan with each row's dtypes as one traced forward ran them.
 - :class:`Schedule`: precision phases (``[[phase]]``), one jitted step per phase.
 - :func:`pmean_grads` (in ``shard_map``/``pmap``) and :func:`data_parallel_value_and_grad` (a sharded
   ``jit``): the data-parallel gradient all-reduce in ``reduce_dtype``; :func:`replicate`.
@@ -81,6 +82,7 @@ from .distributed import data_parallel_value_and_grad, pmean_grads, replicate  #
 from .monitor import Monitor, Numerics, numerics  # noqa: E402
 from .plan import plan  # noqa: E402
 from .schedule import Schedule  # noqa: E402
+from .trace import trace  # noqa: E402
 from .layers import register_kind  # noqa: E402
 
 __all__ = [
@@ -115,6 +117,7 @@ __all__ = [
     "rollback",
     "scale_loss",
     "skipped",
+    "trace",
     "unscale",
     "value_and_grad",
 ]

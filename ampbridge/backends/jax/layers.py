@@ -124,13 +124,23 @@ class _Facts(NamedTuple):
     kind_source: str | None = None  # how the module's kind was decided (the row shows it)
 
 
+#: NNX's norms have no force_float32_reductions switch: their statistics always run in float32
+#: (flax.nnx.nn.normalization._compute_stats promotes to float32) and so does the normalisation
+_NNX_FLOAT32_NORMS = ("LayerNorm", "RMSNorm", "GroupNorm", "InstanceNorm")
+
+
+def _nnx_float32_norm(module: Any) -> bool:
+    return any(c.__module__ == "flax.nnx.nn.normalization" and c.__name__ in _NNX_FLOAT32_NORMS
+               for c in type(module).__mro__)
+
+
 def _facts(module: Any, kind_source: str | None = None) -> _Facts:
     if module is None:
         return _Facts()
     odd = None
     if _has_field(module, "dtype") and not _is_float_dtype_or_none(getattr(module, "dtype", None)):
         odd = str(getattr(module, "dtype"))
-    return _Facts(bool(getattr(module, "force_float32_reductions", False)),
+    return _Facts(bool(getattr(module, "force_float32_reductions", False)) or _nnx_float32_norm(module),
                   bool(getattr(module, "force_fp32_for_softmax", False)),
                   any(c.__name__ == "BatchNorm" for c in type(module).__mro__), odd, kind_source)
 
