@@ -195,6 +195,8 @@ HOOKS: tuple[PrivateHook, ...] = (
        _KAPPLY),
     _h("patch .__init__", "keras", "scope(): keras.layers.Layer.__init__ patched while the block runs",
        _KAPPLY),
+    _h("patch .__class__", "keras", "plan(model, policy, *inputs): a recording subclass on the clone's layers "
+       "(the user's model is never touched)", _K + "test_traced_plan.py"),
     # --- jax ---
     _h("._pytree__nodes", "jax", "flax NNX: set a static attribute without NNX's 75 us checks",
        _J + "test_nnx.py"),

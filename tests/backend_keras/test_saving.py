@@ -120,6 +120,9 @@ def test_keras_hub_backbone_pins_come_back_with_load_model(kx, tmp_path):
     keras_hub = pytest.importorskip("keras_hub")
     kx.seed(0)
     policy = POLICY.replace(keep_float32=("kind:norm", "kind:embedding"))
+    if keras.backend.backend() == "tensorflow":  # BERT's raw `x + residual`: see test_zoo.py
+        policy = policy.replace(overrides=({"match": ("kind:norm", "kind:embedding"), "compute_dtype": "float32",
+                                            "output_dtype": "float16"},))
     model = ak.apply(keras_hub.models.BertBackbone(vocabulary_size=64, num_layers=1, hidden_dim=16,
                                                    intermediate_dim=32, num_heads=2, max_sequence_length=16), policy)
     model.save(tmp_path / "bert.keras")
