@@ -412,9 +412,48 @@ def _deepspeed_engine(micro_batch: int):
     return engine, opt
 
 
+_DS_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                   "all_gather", "all_gather_into_tensor", "broadcast")
+
+
+def _record_collectives(sent: list) -> dict:
+    """Wrap torch.distributed's collectives (deepspeed.comm looks them up at each call) to log what is sent.
+
+    While ``on["steps"]`` is true each call appends (name, op, dtypes, elements) to ``sent``.
+    """
+    # deepspeed.comm's TorchBackend calls torch.distributed.all_reduce etc. by attribute at each call
+    # (checked: deepspeed 0.19.8), so wrapping the public functions sees what the engine sends
+    on = {"steps": False}
+
+    def wrap(name, original):
+        def collective(*args, **kwargs):
+            if on["steps"]:
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                tensors += [t for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))
+                            for t in a if isinstance(t, torch.Tensor)]
+                op = kwargs.get("op", next((a for a in args if isinstance(a, dist.ReduceOp.RedOpType)), None))
+                sent.append((name, str(op), sorted({str(t.dtype).removeprefix("torch.") for t in tensors}),
+                             sum(t.numel() for t in tensors)))
+            return original(*args, **kwargs)
+        return collective
+
+    for name in _DS_COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+    return on
+
+
 def _deepspeed_train(rank: int | None) -> dict:
-    """The global batch of 8 per step; rank None is one process on all of it (the reference)."""
+    """The global batch of 8 per step; rank None is one process on all of it (the reference).
+
+    With ranks, the collectives DeepSpeed calls through torch.distributed during the steps are recorded
+    under "sent" (all_gather_into_tensor, bound once at init_distributed, is not seen: it carries the
+    updated parameters, not gradients).
+    """
+    sent: list = []
+    recording = _record_collectives(sent) if rank is not None else {}
     engine, opt = _deepspeed_engine(8 if rank is None else 8 // WORLD)
+    recording["steps"] = True
     g = torch.Generator().manual_seed(2)
     states = []
     for overflow in DS_OVERFLOWS:
@@ -425,7 +464,9 @@ def _deepspeed_train(rank: int | None) -> dict:
         engine.backward(loss * math.inf if overflow and rank in (DS_OVERFLOW_RANK, None) else loss)
         engine.step()
         states.append((float(opt.loss_scaler.cur_scale), int(opt.loss_scaler.cur_hysteresis)))
-    return {"states": states, "skipped": engine.skipped_steps,
+    recording["steps"] = False
+    return {"states": states, "skipped": engine.skipped_steps, "sent": sent, "config": dict(engine.config)
+            if isinstance(engine.config, dict) else None,
             "params": [p.detach().float().clone() for p in engine.module.parameters()]}
 
 

@@ -269,3 +269,13 @@ def test_deepspeed_two_ranks_skip_together_and_match_one_process(tmp_path):
         # fp16 params from fp32 masters, 2 ranks averaged vs one batch of 8: the reduction order only;
         # measured (deepspeed 0.19.8, CPU): at most 1.2e-4, one float16 ulp of a weight in [0.125, 0.25)
         torch.testing.assert_close(a, c, rtol=0, atol=2.5e-4)
+    # what ZeRO 2 actually sends: reduce_dtype (float32 by default) is written as communication_data_type,
+    # fp16 mode's own default (float16 gradients) only when reduce_dtype is float16
+    config = ranks[0]["config"]
+    reduce = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[config.get("communication_data_type", "fp16")]
+    assert reduce == workers.deepspeed_policy().reduce_dtype == "float32"
+    grads = sum(p.numel() for p in init.parameters())
+    for run in ranks:  # one gradient all-reduce a step (overflowed steps too), then the overflow flag's MAX
+        assert [s for s in run["sent"] if s[3] == grads] == [("all_reduce", "RedOpType.SUM", [reduce], grads)] * len(
+            workers.DS_OVERFLOWS)
+        assert sum(s[:2] == ("all_reduce", "RedOpType.MAX") for s in run["sent"]) == len(workers.DS_OVERFLOWS)
