@@ -416,7 +416,7 @@ _DS_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatt
                    "all_gather", "all_gather_into_tensor", "broadcast")
 
 
-def _record_collectives(sent: list) -> dict:
+def _record_deepspeed_collectives(sent: list) -> dict:
     """Wrap torch.distributed's collectives (deepspeed.comm looks them up at each call) to log what is sent.
 
     While ``on["steps"]`` is true each call appends (name, op, dtypes, elements) to ``sent``.
@@ -451,7 +451,7 @@ def _deepspeed_train(rank: int | None) -> dict:
     updated parameters, not gradients).
     """
     sent: list = []
-    recording = _record_collectives(sent) if rank is not None else {}
+    recording = _record_deepspeed_collectives(sent) if rank is not None else {}
     engine, opt = _deepspeed_engine(8 if rank is None else 8 // WORLD)
     recording["steps"] = True
     g = torch.Generator().manual_seed(2)
