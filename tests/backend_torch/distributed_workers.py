@@ -141,7 +141,8 @@ def ddp(rank: int, port: int, out: str) -> None:
         result[name] = run
     result["no_sync"] = _ddp_no_sync(rank, batches)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    dist.barrier()  # rank 0 trains the one-process reference after the others: leave together (a rank
+    dist.destroy_process_group()  # tearing gloo down while its peer still runs aborted once in CI)
 
 
 def _ddp_no_sync(rank: int, batches) -> dict:
@@ -496,6 +497,7 @@ def _main(rank: int, scenario: str, port: int, out: str) -> None:
         globals()[scenario](rank, port, out)
     finally:
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 
