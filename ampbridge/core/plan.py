@@ -497,3 +497,43 @@ def layers_from_data(data: Any, source: str = "<layers>") -> list[Layer]:
 def with_note(row: PlanRow, note: str, **changes: Any) -> PlanRow:
     """A row with some dtypes changed and a note saying why (for backends' ``adjust``)."""
     return replace(row, note=note, **changes)
+
+
+# --- traced rows: what one forward really ran (each backend's trace room observes, these write) ---
+
+def join_notes(*parts: str | None) -> str:
+    """Notes joined with ``; `` (empty parts left out)."""
+    return "; ".join(p for p in parts if p)
+
+
+def not_run(row: PlanRow) -> PlanRow:
+    """The row of a layer the traced forward never called."""
+    return with_note(row, join_notes(row.note, "did not run in the traced forward"))
+
+
+def traced_row(row: PlanRow, compute: Iterable[str] | None, output: Iterable[str] | None) -> PlanRow:
+    """The row as one forward ran it: where exactly one dtype was observed for a column and it
+    differs from the row's, it replaces it, and the note says ``traced: ran compute X, output Y``;
+    none or several observed dtypes leave the column as the row has it.
+
+    Example:
+        >>> r = PlanRow("norm", "norm", "LayerNorm", 8, "bfloat16", "float32", "bfloat16", "default")
+        >>> t = traced_row(r, {"float32"}, {"bfloat16"})
+        >>> t.compute_dtype, t.note
+        ('float32', 'traced: ran compute float32')
+    """
+    changes: dict[str, str] = {}
+    for column, seen in (("compute_dtype", compute), ("output_dtype", output)):
+        seen = set(seen or ())
+        if len(seen) == 1 and (dtype := seen.pop()) != getattr(row, column):
+            changes[column] = dtype
+    if not changes:
+        return row
+    said = ", ".join(f"{column.split('_')[0]} {dtype}" for column, dtype in changes.items())
+    return with_note(row, join_notes(row.note, f"traced: ran {said}"), **changes)
+
+
+def traced_plan(static: Plan, rows: Iterable[PlanRow],
+                note: str = "traced: dtypes observed in one forward") -> Plan:
+    """``static``'s Plan with its rows replaced by the traced ones, and a Plan note saying so."""
+    return Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules, static.notes + (note,))

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ...core.plan import Plan, with_note
+from ...core.plan import Plan, not_run, traced_plan, traced_row
 from ...core.policy import Policy
 from .apply import Applied, apply
 from .plan import plan as _static_plan
@@ -51,25 +51,13 @@ def trace(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True, **k
     rows = []
     for row in static.rows:
         if row.path not in delivered and row.path not in ran:
-            rows.append(with_note(row, _join(row.note, "did not run in the traced forward")))
+            rows.append(not_run(row))
             continue
-        changes: dict[str, Any] = {}
         noted_f32 = "float32" in (row.note or "")  # e.g. Flax's norm statistics: the static row says so
         ops = {d for prim, d in ran.get(row.path, ()) if _MAIN[prim] in (None, row.kind)
                and not (prim == "rsqrt" and noted_f32)}
-        compute = _one(ops)
-        if compute and "+" not in compute and compute != row.compute_dtype:
-            changes["compute_dtype"] = compute
-        out = _one(delivered.get(row.path, set()))
-        if out and "+" not in out and out != row.output_dtype:
-            changes["output_dtype"] = out
-        if not changes:
-            rows.append(row)
-            continue
-        said = ", ".join(f"{k.split('_')[0]} {v}" for k, v in changes.items())
-        rows.append(with_note(row, _join(row.note, f"traced: ran {said}"), **changes))
-    return Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules,
-                static.notes + ("traced: dtypes observed in one forward",))
+        rows.append(traced_row(row, ops, delivered.get(row.path)))
+    return traced_plan(static, rows)
 
 
 def _trace_linen(applied: Applied, inputs: tuple, kwargs: dict) -> tuple[dict, dict]:
@@ -149,9 +137,3 @@ def _floats(tree: Any) -> set[str]:
             if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)}
 
 
-def _one(dtypes: set[str]) -> str | None:
-    return "+".join(sorted(dtypes)) if dtypes else None
-
-
-def _join(*parts: str | None) -> str:
-    return "; ".join(p for p in parts if p)

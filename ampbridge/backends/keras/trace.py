@@ -12,7 +12,7 @@ from typing import Any
 
 import keras
 
-from ...core.plan import Plan, with_note
+from ...core.plan import Plan, not_run, traced_plan, traced_row
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .apply import _is_float, apply
@@ -60,23 +60,12 @@ def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> P
             rows.append(row)
             continue
         if not (rec["returns"] or rec["outputs"]):
-            rows.append(with_note(row, _join(row.note, "did not run in the traced forward")))
+            rows.append(not_run(row))
             continue
-        changes: dict[str, Any] = {}
-        ran = _one(rec["returns"])
         internal = "internally" in (row.note or "")  # Keras upcasts inside the call: the probe cannot see it
-        if ran and "+" not in ran and ran != row.compute_dtype and not internal and not composite.get(row.path):
-            changes["compute_dtype"] = ran
-        out = _one(rec["outputs"])
-        if out and "+" not in out and out != row.output_dtype:
-            changes["output_dtype"] = out
-        if not changes:
-            rows.append(row)
-            continue
-        said = ", ".join(f"{k.split('_')[0]} {v}" for k, v in changes.items())
-        rows.append(with_note(row, _join(row.note, f"traced: ran {said}"), **changes))
-    return Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules,
-                static.notes + ("traced: dtypes observed in one forward",))
+        compute = None if internal or composite.get(row.path) else rec["returns"]
+        rows.append(traced_row(row, compute, rec["outputs"]))
+    return traced_plan(static, rows)
 
 
 def _probe(model: Any) -> dict[str, dict[str, set[str]]]:
@@ -128,9 +117,3 @@ def _floats(tree: Any) -> set[str]:
     return {keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(tree) if _is_float(t)}
 
 
-def _one(dtypes: set[str]) -> str | None:
-    return "+".join(sorted(dtypes)) if dtypes else None
-
-
-def _join(*parts: str | None) -> str:
-    return "; ".join(p for p in parts if p)

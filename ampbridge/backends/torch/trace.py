@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.plan import Plan, with_note
+from ...core.plan import Plan, join_notes, not_run, with_note
 from .environment import _NAMES, DTYPES
 
 _COMPUTE_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_trilinear", "native_layer_norm",
@@ -91,7 +91,7 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         path = row.path
         if path not in ran:
             rows.append(row if row.note and "used by" in row.note else
-                        with_note(row, _join(row.note, "did not run in the traced forward")))
+                        not_run(row))
             continue
         if path in regions and not main.get(path):
             observed = regions[path]
@@ -109,10 +109,7 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         if follows and path in delivered:  # mixed compute ("float16+float32") still has one output dtype
             changes["output_dtype"] = delivered[path]
         reason = row.note.split(" (")[0] if follows and row.note else row.note
-        rows.append(with_note(row, _join(reason, f"traced: ran in {observed}"), **changes))
+        rows.append(with_note(row, join_notes(reason, f"traced: ran in {observed}"), **changes))
     return Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
                 amp.plan.notes + ("traced: compute dtypes observed in one forward",))
 
-
-def _join(*parts: str | None) -> str:
-    return "; ".join(p for p in parts if p)
