@@ -95,3 +95,17 @@ class DeepSpeedDynamicLossScaler:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor
         self.cur_iter += 1
+
+
+# --- the model zoo's closing table (tests/backend_*/test_zoo.py, one line per model and dtype) ---
+
+ZOO_HEADER = ("model", "compute", "layers", "recognised kinds", "norm+emb by class", "of them pinned",
+              "rows pinned", "rows checked", "mismatches", "mismatches, no rules")
+
+
+def zoo_line(name: str, compute: str, got: dict, bare: dict) -> tuple[str, ...]:
+    """One table line from a zoo run with the rules (``got``) and one without (``bare``)."""
+    kinds = " ".join(f"{k}:{v}" for k, v in sorted(got["kinds"].items()))
+    counted = len(got["expected_pinned"])
+    return (name, compute, str(got["layers"]), kinds, str(counted), str(counted - len(got["unpinned"])),
+            str(got["pinned"]), str(got["checked"]), str(len(got["mismatches"])), str(len(bare["mismatches"])))

@@ -21,7 +21,8 @@ import warnings
 
 import pytest
 
-from ampbridge._testing import require
+from ampbridge._testing import ZOO_HEADER, require, zoo_line
+from ampbridge.core.table import render_table
 
 jax = require("jax")
 nn = require("flax.linen")
@@ -377,19 +378,11 @@ def test_zoo_unpinned_rows_say_what_runs(name):
 
 def test_zoo_table():
     """The closing table (run with -s to see it): every model, float16 and bfloat16."""
-    head = ("model", "compute", "layers", "recognised kinds", "norm+emb by class", "of them pinned",
-            "rows pinned", "rows checked", "mismatches", "mismatches, no rules")
     lines = []
     for name in MODELS:
         for compute in DTYPES:
             got, bare = _result(name, compute), _result(name, "bfloat16", pins=False)
-            kinds = " ".join(f"{k}:{v}" for k, v in sorted(got["kinds"].items()))
-            counted = len(got["expected_pinned"])
-            lines.append((name, compute, str(got["layers"]), kinds, str(counted), str(counted - len(got["unpinned"])),
-                          str(got["pinned"]), str(got["checked"]), str(len(got["mismatches"])),
-                          str(len(bare["mismatches"]))))
+            lines.append(zoo_line(name, compute, got, bare))
             assert not got["mismatches"] and not got["unpinned"] and not bare["mismatches"]
-    widths = [max(len(str(r[i])) for r in [head] + lines) for i in range(len(head))]
     print()
-    for row in [head] + lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    print(render_table(ZOO_HEADER, lines))

@@ -20,7 +20,8 @@ import warnings
 import numpy as np
 import pytest
 
-from ampbridge._testing import require
+from ampbridge._testing import ZOO_HEADER, require, zoo_line
+from ampbridge.core.table import render_table
 
 keras = require("keras")
 keras_hub = pytest.importorskip("keras_hub")  # installed --no-deps by the Makefile (constraints.txt pins it)
@@ -234,21 +235,13 @@ def test_zoo_unpinned_rows_say_what_runs(name):
 
 def test_zoo_table():
     """The closing table (run with -s to see it): every model, float16 and bfloat16."""
-    head = ("model", "compute", "layers", "recognised kinds", "norm+emb by class", "of them pinned",
-            "rows pinned", "rows checked", "mismatches", "mismatches, no rules")
     lines = []
     for name in MODELS:
         if keras.backend.backend() == "jax" and name in CNNS:
             continue  # see _skip_where_too_slow
         for compute in DTYPES:
             got, bare = _result(name, compute), _result(name, "float16", pins=False)
-            kinds = " ".join(f"{k}:{v}" for k, v in sorted(got["kinds"].items()))
-            counted = len(got["expected_pinned"])
-            lines.append((name, compute, str(got["layers"]), kinds, str(counted), str(counted - len(got["unpinned"])),
-                          str(got["pinned"]), str(got["checked"]), str(len(got["mismatches"])),
-                          str(len(bare["mismatches"]))))
+            lines.append(zoo_line(name, compute, got, bare))
             assert not got["mismatches"] and not got["unpinned"] and not bare["mismatches"]
-    widths = [max(len(str(r[i])) for r in [head] + lines) for i in range(len(head))]
     print(f"\nkeras backend: {keras.backend.backend()}")
-    for row in [head] + lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    print(render_table(ZOO_HEADER, lines))
