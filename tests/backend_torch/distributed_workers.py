@@ -309,10 +309,10 @@ def fsdp2_resume(rank: int, port: int, out: str) -> None:
 DS_OVERFLOWS = [False, False, False, True, False, False, False, True, True, False, False, False, False]
 
 
-def deepspeed_policy():
+def deepspeed_policy(reduce_dtype: str = "float32"):
     import ampbridge
 
-    return ampbridge.Policy(compute_dtype="float16", output_dtype="float16",
+    return ampbridge.Policy(compute_dtype="float16", output_dtype="float16", reduce_dtype=reduce_dtype,
                             loss_scale=ampbridge.LossScaleConfig(mode="dynamic", initial_scale=256.0, growth_interval=2,
                                                                  hysteresis=2, min_scale=1.0, on_min_scale="error"))
 
@@ -399,8 +399,8 @@ def _deepspeed_autocast_with_pins(config: dict) -> dict:
 DS_OVERFLOW_RANK = 1  # the rank whose loss is inf at the DS_OVERFLOWS steps; the other rank stays finite
 
 
-def _deepspeed_engine(micro_batch: int):
-    """ZeRO 2 with fp16 from deepspeed_policy on the process group already set up."""
+def _deepspeed_engine(micro_batch: int, reduce_dtype: str = "float32"):
+    """ZeRO 2 with fp16 from deepspeed_policy(reduce_dtype) on the process group already set up."""
     import ampbridge.torch as abt
 
     torch.manual_seed(0)
@@ -408,7 +408,8 @@ def _deepspeed_engine(micro_batch: int):
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
               "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
-    engine, opt, _, _ = abt.deepspeed_initialize(model, deepspeed_policy(), config, model_parameters=model.parameters(),
+    engine, opt, _, _ = abt.deepspeed_initialize(model, deepspeed_policy(reduce_dtype), config,
+                                                 model_parameters=model.parameters(),
                                                  accept=["loss_scale.growth_interval"])
     return engine, opt
 
@@ -417,14 +418,15 @@ _DS_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatt
                    "all_gather", "all_gather_into_tensor", "broadcast")
 
 
-def _record_deepspeed_collectives(sent: list) -> dict:
+def _record_deepspeed_collectives() -> dict:
     """Wrap torch.distributed's collectives (deepspeed.comm looks them up at each call) to log what is sent.
 
-    While ``on["steps"]`` is true each call appends (name, op, dtypes, elements) to ``sent``.
+    While ``on["steps"]`` is true each call appends (name, op, dtypes, elements) to ``on["sent"]``.
     """
     # deepspeed.comm's TorchBackend calls torch.distributed.all_reduce etc. by attribute at each call
     # (checked: deepspeed 0.19.8), so wrapping the public functions sees what the engine sends
-    on = {"steps": False}
+    on: dict = {"steps": False, "sent": []}
+    sent = on["sent"]
 
     def wrap(name, original):
         def collective(*args, **kwargs):
@@ -451,8 +453,7 @@ def _deepspeed_train(rank: int | None) -> dict:
     under "sent" (all_gather_into_tensor, bound once at init_distributed, is not seen: it carries the
     updated parameters, not gradients).
     """
-    sent: list = []
-    recording = _record_deepspeed_collectives(sent) if rank is not None else {}
+    recording = _record_deepspeed_collectives() if rank is not None else {"sent": []}
     engine, opt = _deepspeed_engine(8 if rank is None else 8 // WORLD)
     recording["steps"] = True
     g = torch.Generator().manual_seed(2)
@@ -466,8 +467,32 @@ def _deepspeed_train(rank: int | None) -> dict:
         engine.step()
         states.append((float(opt.loss_scaler.cur_scale), int(opt.loss_scaler.cur_hysteresis)))
     recording["steps"] = False
-    return {"states": states, "skipped": engine.skipped_steps, "sent": sent, "config": dict(engine.config)
-            if isinstance(engine.config, dict) else None,
+    result = {"states": states, "skipped": engine.skipped_steps, "sent": list(recording["sent"]),
+              "config": dict(engine.config) if isinstance(engine.config, dict) else None,
+              "params": [p.detach().float().clone() for p in engine.module.parameters()]}
+    if rank is not None:
+        result["bfloat16"] = _deepspeed_sends(rank, "bfloat16", recording)
+    return result
+
+
+DS_SENDS_STEPS = 2  # finite steps of the second engine (reduce_dtype bfloat16) in the same ranks
+
+
+def _deepspeed_sends(rank: int, reduce_dtype: str, recording: dict) -> dict:
+    """A second engine in the same ranks (no second process start): the policy with ``reduce_dtype``,
+    DS_SENDS_STEPS finite steps, what it sends recorded as in ``_deepspeed_train``."""
+    engine, _ = _deepspeed_engine(8 // WORLD, reduce_dtype)
+    initial = [p.detach().float().clone() for p in engine.module.parameters()]
+    del recording["sent"][:]
+    recording["steps"] = True
+    g = torch.Generator().manual_seed(3)
+    for _ in range(DS_SENDS_STEPS):
+        x = torch.randn(8, 8, generator=g).half().chunk(WORLD)[rank]
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    recording["steps"] = False
+    return {"sent": list(recording["sent"]), "skipped": engine.skipped_steps, "initial": initial,
+            "config": dict(engine.config) if isinstance(engine.config, dict) else None,
             "params": [p.detach().float().clone() for p in engine.module.parameters()]}
 
 

@@ -279,3 +279,14 @@ def test_deepspeed_two_ranks_skip_together_and_match_one_process(tmp_path):
         assert [s for s in run["sent"] if s[3] == grads] == [("all_reduce", "RedOpType.SUM", [reduce], grads)] * len(
             workers.DS_OVERFLOWS)
         assert sum(s[:2] == ("all_reduce", "RedOpType.MAX") for s in run["sent"]) == len(workers.DS_OVERFLOWS)
+    # a second engine in the same ranks, the policy with reduce_dtype = "bfloat16" (fp16 compute):
+    # communication_data_type = "bf16" is written, and ZeRO 2 casts each fp16 gradient bucket to
+    # bfloat16 before the all-reduce (gloo sums bfloat16 on CPU)
+    sends = [run["bfloat16"] for run in ranks]
+    assert sends[0]["config"]["communication_data_type"] == "bf16"
+    for run in sends:
+        assert [s for s in run["sent"] if s[3] == grads] == [("all_reduce", "RedOpType.SUM", ["bfloat16"], grads)] * (
+            workers.DS_SENDS_STEPS)
+        assert run["skipped"] == 0
+    for a, b, p0 in zip(sends[0]["params"], sends[1]["params"], sends[0]["initial"]):
+        assert torch.equal(a, b) and not torch.equal(a, p0)  # both ranks applied the same bfloat16-reduced step
