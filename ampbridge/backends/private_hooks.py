@@ -193,6 +193,9 @@ HOOKS: tuple[PrivateHook, ...] = (
        _K + "test_monitor.py"),
     _h("MixedDTypePolicy._parse_name", "keras", "override: policies with any compute/variable pair",
        _KAPPLY),
+    *(_h(f"tensorflow.python.framework.ops.{name}", "keras", "TensorFlow's numpy-style promotion while a caller "
+         "of a pinned layer runs (apply._tensorflow_promotion)", _K + "test_streams.py")
+      for name in ("get_dtype_conversion_mode", "set_dtype_conversion_mode")),
     _h("patch .__init__", "keras", "scope(): keras.layers.Layer.__init__ patched while the block runs",
        _KAPPLY),
     _h("patch .__class__", "keras", "plan(model, policy, *inputs): a recording subclass on the clone's layers "
@@ -221,7 +224,7 @@ def _private(part: str) -> bool:
 
 
 def _first_private(parts: list[str]) -> int | None:
-    if parts[:2] == ["keras", "src"]:
+    if parts[:2] in (["keras", "src"], ["tensorflow", "python"]):  # their private trees
         return 1
     return next((i for i, p in enumerate(parts) if _private(p)), None)
 
@@ -374,7 +377,7 @@ def scan(framework: str, sources: dict[str, str] | None = None) -> dict[str, set
                     full = aliases[parts[0]].split(".") + parts[1:]
                     at = _first_private(full)
                     if at is not None and at >= len(aliases[parts[0]].split(".")):
-                        keep = full if full[:2] in (["keras", "src"], ["jax", "_src"]) else full[:at + 1]
+                        keep = full if full[:2] in (["keras", "src"], ["jax", "_src"], ["tensorflow", "python"]) else full[:at + 1]
                         add(".".join(keep), file.module)
                     continue
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("__") \

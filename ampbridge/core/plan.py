@@ -499,6 +499,57 @@ def with_note(row: PlanRow, note: str, **changes: Any) -> PlanRow:
     return replace(row, note=note, **changes)
 
 
+# --- a pinned layer's output meeting its caller's stream (the same rule and words in every backend) ---
+
+def stream_note(stream: str, caller: str, output: str) -> str:
+    """The note of a row whose ``output`` dtype differs from the ``stream`` dtype its ``caller``'s own
+    code computes in: a layer emits what it computes, and where its output meets the stream (``x +
+    residual``) the two promote to the wider dtype, as torch and jnp promote (TensorFlow does too,
+    inside an applied Keras model: ampbridge turns on its numpy-style promotion there).
+
+    Example:
+        >>> stream_note("float16", "block", "float32").split(": ")[0]
+        "called from block's own code, which computes in float16"
+    """
+    wider = "float64" if "float64" in (stream, output) else "float32"
+    return (f"called from {caller or 'the model'}'s own code, which computes in {stream}: its {output} output "
+            f"meets that stream and promotes it to {wider} on every backend (TensorFlow included, by ampbridge); "
+            f'an [[override]] with output_dtype = "{stream}" returns it to the stream instead')
+
+
+def stream_notes(policy: Policy, caller_of: Callable[[str], "str | None"]) -> Callable[[PlanRow], "str | None"]:
+    """``note(row) -> str | None`` for the requested rows, fed parents first: :func:`stream_note` for
+    a row whose output dtype differs from the compute dtype of ``caller_of(row.path)`` (the layer
+    whose own code calls it; None where a graph or a sequential container feeds it, which casts
+    each layer's inputs itself), unless its rule sets ``output_dtype`` or its dtypes are the
+    model's own. Each backend says who calls whom; the rule and the words are the same.
+
+    Example:
+        >>> from ampbridge import Policy
+        >>> note = stream_notes(Policy(compute_dtype="float16", keep_float32=("norm",)),
+        ...                     lambda p: p.rsplit(".", 1)[0] if "." in p else ("" if p else None))
+        >>> rows = [PlanRow(p, None, "", 0, c, "float32", c) for p, c in (("", "float16"), ("norm", "float32"))]
+        >>> [note(r) is not None for r in rows]
+        [False, True]
+    """
+    if policy.phases:
+        policy = policy.at(step=0, epoch=0)
+    # keep_float32 entries say float32 for all three dtypes; only an [[override]] asks for an output
+    explicit = {label for label, rule in policy.rules if label.startswith("override") and rule.output_dtype}
+    compute: dict[str, str] = {}
+
+    def note(row: PlanRow) -> str | None:
+        compute[row.path] = row.compute_dtype
+        caller = caller_of(row.path)
+        if caller is None or caller not in compute or row.rule == BY_MODEL or row.rule in explicit:
+            return None
+        if compute[caller] == row.output_dtype:
+            return None
+        return stream_note(compute[caller], caller, row.output_dtype)
+
+    return note
+
+
 # --- traced rows: what one forward really ran (each backend's trace room observes, these write) ---
 
 def join_notes(*parts: str | None) -> str:

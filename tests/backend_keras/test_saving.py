@@ -112,25 +112,89 @@ def test_saved_file_loads_in_plain_keras_and_back_in_ampbridge(kx, tmp_path):
         assert ak.stored_policy(tmp_path / f"{name}.keras") == model._ampbridge_policy
 
 
-def test_keras_hub_backbone_pins_come_back_with_load_model(kx, tmp_path):
-    """A keras-hub backbone's config keeps one dtype for all its layers; the pins inside come back
-    from the policy stored in the file (plain Keras rebuilds them in that one dtype)."""
+PLAIN_KERAS_TABLE = textwrap.dedent("""
+    import json, sys
+    exec(sys.argv[2])  # hides ampbridge, as in PLAIN_KERAS
+    import keras, keras_hub, numpy as np
+    model = keras.saving.load_model(sys.argv[1], compile=False)
+    x = dict(np.load("x.npz"))
+    def table(model):
+        out = []
+        for layer in model._flatten_layers(include_self=True):
+            policy = layer.dtype_policy
+            if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+                policy = policy[layer.path] if layer.path else policy.default_policy
+            out.append([type(layer).__name__, layer.path, policy.name, layer.compute_dtype, layer.variable_dtype])
+        return out
+    outputs = keras.tree.map_structure(lambda t: np.asarray(keras.ops.convert_to_numpy(t), "float32").tolist(),
+                                       model(x))
+    print(json.dumps({"dtypes": table(model), "outputs": outputs, "class": type(model).__name__}))
+""")
+HIDE_AMPBRIDGE = PLAIN_KERAS[:PLAIN_KERAS.index("import keras")]
+
+
+def _layer_table(model):
+    """[class, Keras path, the policy the layer runs, compute, variable] per layer, in Keras's order
+    (a layer's policy may be a DTypePolicyMap shared with its parent: its own entry is what it runs)."""
+    out = []
+    for layer in model._flatten_layers(include_self=True):
+        policy = layer.dtype_policy
+        if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+            policy = policy[layer.path] if layer.path else policy.default_policy
+        out.append([type(layer).__name__, layer.path, policy.name, layer.compute_dtype, layer.variable_dtype])
+    return out
+
+
+def test_keras_hub_pins_survive_plain_keras(kx, tmp_path):
+    """A keras-hub task and its backbone store one ``dtype`` each: ``apply`` makes the backbone's
+    config a ``DTypePolicyMap`` (its policy plus one entry per pinned sublayer path), so plain Keras
+    in a fresh process without ampbridge rebuilds every pinned layer pinned, with the same
+    predictions, and ``ak.load_model`` gives the same model back. On TensorFlow the block's two norms
+    return float32 into its float16 ``x + residual``, which ``apply`` makes TensorFlow promote while
+    the block runs; plain Keras cannot, so the map leaves those two in the block's dtype (the file
+    loads and predicts, close), and saving says so."""
+    import warnings
+
     import pytest
 
     keras_hub = pytest.importorskip("keras_hub")
     kx.seed(0)
     policy = POLICY.replace(keep_float32=("kind:norm", "kind:embedding"))
-    if keras.backend.backend() == "tensorflow":  # BERT's raw `x + residual`: see test_zoo.py
-        policy = policy.replace(overrides=({"match": ("kind:norm", "kind:embedding"), "compute_dtype": "float32",
-                                            "output_dtype": "float16"},))
-    model = ak.apply(keras_hub.models.BertBackbone(vocabulary_size=64, num_layers=1, hidden_dim=16,
-                                                   intermediate_dim=32, num_heads=2, max_sequence_length=16), policy)
-    model.save(tmp_path / "bert.keras")
-    restored = ak.load_model(tmp_path / "bert.keras")
-    dtypes = {path: layer.dtype_policy.name for path, layer in ak.layers(model)}
-    assert {path: layer.dtype_policy.name for path, layer in ak.layers(restored)} == dtypes
-    assert dtypes["transformer_layer_0.feedforward_layer_norm"] == "float32"
+    block_norms = ["transformer_layer_0/self_attention_layer_norm", "transformer_layer_0/feedforward_layer_norm"]
+    tensorflow = keras.backend.backend() == "tensorflow"
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=64, num_layers=1, hidden_dim=16, intermediate_dim=32,
+                                             num_heads=2, max_sequence_length=16)
+    task = ak.apply(keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None), policy)
+    saved = _layer_table(task)
+    pinned = {row[1] for row in saved if row[2] == "float32" and row[0] != "InputLayer"}
+    assert pinned == {"token_embedding", "position_embedding", "segment_embedding", "embeddings_layer_norm",
+                      *block_norms}
     x = {"token_ids": np.arange(16).reshape(2, 8).astype("int32") % 64, "segment_ids": np.zeros((2, 8), "int32"),
          "padding_mask": np.ones((2, 8), "int32")}
-    np.testing.assert_array_equal(np.asarray(kx.numpy(model(x)["sequence_output"])),
-                                  np.asarray(kx.numpy(restored(x)["sequence_output"])))
+    expected = np.asarray(kx.numpy(task(x)), "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        task.save(tmp_path / "bert.keras")
+    said = [str(w.message) for w in caught if "saved config leaves" in str(w.message)]
+    np.savez(tmp_path / "x.npz", **x)
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-I", "-c", PLAIN_KERAS_TABLE, "bert.keras", HIDE_AMPBRIDGE],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain = json.loads(result.stdout.strip().splitlines()[-1])
+    assert plain["class"] == "BertTextClassifier"
+    if tensorflow:
+        assert said and all(p.replace("/", ".") in said[0] for p in block_norms), said
+        left = [row[:2] + ["mixed_float16", "float16", "float32"] if row[1] in block_norms else row for row in saved]
+        assert plain["dtypes"] == left  # every other layer as saved, the embeddings' pins included
+        np.testing.assert_allclose(np.asarray(plain["outputs"], "float32"), expected, atol=1e-2)
+    else:
+        assert not said, said
+        assert plain["dtypes"] == [list(row) for row in saved]  # every layer, pins included
+        np.testing.assert_array_equal(np.asarray(plain["outputs"], "float32"), expected)
+
+    restored = ak.load_model(tmp_path / "bert.keras", compile=False)
+    assert _layer_table(restored) == saved
+    assert list(ak.plan(restored, policy)) == list(ak.plan(task, policy))  # the same rows, same paths
+    np.testing.assert_array_equal(np.asarray(kx.numpy(restored(x)), "float32"), expected)

@@ -60,6 +60,9 @@ class Applied:
         self._resolver = _Resolver(self.policy)
         # path -> (kind, class, facts), learnt while tracing; shared by the phases of one model
         self._known: dict[str, tuple[str | None, str, _Facts]] = {} if _known is None else _known
+        # path -> the dtypes its author fixed, under this phase: a dtype the model hands down (ResNet's
+        # dtype=self.dtype) is the one ampbridge runs its module in, so the answer can differ by phase
+        self._fixed: dict[str, tuple[str, str] | None] = {}
         self._lock = threading.Lock()
         self._phases: dict[int | None, Applied] = {}
 
@@ -82,7 +85,7 @@ class Applied:
 
     # -- the Flax API --
     def _interceptor(self, observer: Callable | None = None) -> Any:
-        return _LinenInterceptor(self._resolver, record=self._known, observer=observer)
+        return _LinenInterceptor(self._resolver, record=self._known, observer=observer, fixed=self._fixed)
 
     @contextlib.contextmanager
     def _scope(self, interceptor: Any):
@@ -158,8 +161,10 @@ class Applied:
             chain = []
             for depth in range(len(parts) + 1):
                 prefix = ".".join(parts[:depth])
-                kind, cls, _ = self._known.get(prefix, (None, "", None))
-                chain.append((prefix, kind, cls))
+                kind, cls, facts = self._known.get(prefix, (None, "", None))
+                # not traced under this phase yet (cast_params without inputs): as first traced
+                fixed = self._fixed[prefix] if prefix in self._fixed else getattr(facts, "fixed", None)
+                chain.append((prefix, kind, cls, fixed))
             rows[path] = self._resolver.row(tuple(chain))
         return rows
 
@@ -167,10 +172,10 @@ class Applied:
                       **apply_kw: Any) -> None:
         if paths is None:
             paths = _param_paths(variables.get("params", {}) if isinstance(variables, Mapping) else {})
-        if all(p in self._known for p in paths):
+        if all(p in self._known and p in self._fixed for p in paths):
             return
-        # learn the module tree (classes, kinds) by tracing once; nothing is computed
-        recorder = _LinenInterceptor(self._resolver, record=self._known, memo={})
+        # learn the module tree (classes, kinds, the author's dtypes) by tracing once; nothing is computed
+        recorder = _LinenInterceptor(self._resolver, record=self._known, memo={}, fixed=self._fixed)
 
         def run() -> Any:
             nn = _linen()

@@ -3,12 +3,14 @@ facts a Plan note needs, rows resolved from a module's ancestry, and a plain pyt
 neutral ``Layer`` descriptors.
 
 Holds: _LINEN_KINDS, _NNX_KINDS, _kind_of, _kind_and_source, _class_name, _has_field, _is_float_dtype_or_none,
-_Facts, _facts, _row_notes, _Resolver, _key_name, _tree_layers.
+_Facts, _facts, _row_notes, _Resolver, _dtype_name, _carried, _author_dtypes, _key_name, _tree_layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import threading
 from typing import Any, NamedTuple
 
@@ -122,6 +124,7 @@ class _Facts(NamedTuple):
     batch_norm: bool = False
     odd_dtype: str | None = None  # a non-float ``dtype`` attribute, left alone
     kind_source: str | None = None  # how the module's kind was decided (the row shows it)
+    fixed: tuple[str, str] | None = None  # (dtype, param_dtype) its author fixed (_author_dtypes)
 
 
 #: NNX's norms have no force_float32_reductions switch: their statistics always run in float32
@@ -176,6 +179,106 @@ def _row_notes(row: PlanRow, facts: _Facts, output_dtype: str | None = None) -> 
     return with_note(row, "; ".join(notes) or row.note, **changes)
 
 
+# --- the model author's dtypes --------------------------------------------------------------------
+
+_NO_DEFAULT = object()
+
+
+def _dtype_name(value: Any) -> str | None:
+    """The canonical name of a float dtype (``jnp.float32``, ``"bfloat16"``, a dtype); None otherwise."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        return None
+    return dtype.name if _floating(dtype) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _class_default(cls: type, name: str) -> Any:
+    """The default of a linen field, or of an NNX ``__init__`` argument; ``_NO_DEFAULT`` where none."""
+    fields = getattr(cls, "__dataclass_fields__", None)
+    if fields is not None:
+        f = fields.get(name)
+        if f is None or f.default is dataclasses.MISSING:
+            return _NO_DEFAULT
+        return f.default
+    try:
+        parameter = inspect.signature(cls.__init__).parameters.get(name)
+    except (TypeError, ValueError):  # pragma: no cover - a builtin __init__
+        return _NO_DEFAULT
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return _NO_DEFAULT
+    return parameter.default
+
+
+def _attribute_values(module: Any) -> list[Any]:
+    fields = getattr(type(module), "__dataclass_fields__", None)
+    if fields is not None:
+        return [getattr(module, f, None) for f in fields if f not in ("parent", "name")]
+    return list(vars(module).values())
+
+
+def _carried(module: Any) -> set[str]:
+    """The float dtypes a module can hand down to the modules it makes: its own ``dtype`` and the
+    ``dtype`` of a configuration object among its attributes (``self.config.dtype``)."""
+    names = {_dtype_name(getattr(module, "dtype", None))} if _has_field(module, "dtype") else set()
+    skip = (jax.Array, np.ndarray, _linen().Module) + ((_nnx().Module, _nnx().Variable)
+                                                       if _has_nnx() else ())
+    for value in _attribute_values(module):
+        # a dtype itself (param_dtype = jnp.float32: a type with a .dtype) is not a configuration
+        if value is None or isinstance(value, (str, int, float, tuple, list, dict, type, np.dtype) + skip):
+            continue
+        if hasattr(value, "dtype"):
+            names.add(_dtype_name(getattr(value, "dtype", None)))
+    names.discard(None)
+    return names  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=1)
+def _has_nnx() -> bool:
+    try:
+        _nnx()
+    except ImportError:  # pragma: no cover - Flax without NNX
+        return False
+    return True
+
+
+def _author_dtypes(module: Any, handed_down: set[str], configured: bool = True) -> tuple[str, str] | None:
+    """The (dtype, param_dtype) the model's code fixed for a (non-root) Flax module, or None.
+
+    Fixed: its ``dtype`` is a float dtype that differs from the class's default for it and from
+    every dtype its enclosing modules hand down (``handed_down``: each one's ``dtype`` as written
+    and as ampbridge runs it, and a configuration's ``dtype``), e.g. ``nn.Dense(3, dtype=jnp.float32)``
+    in a model whose ``dtype`` is None or bfloat16. A model that passes its one ``dtype`` to every
+    module fixes none of them. Where no enclosing module has a dtype setting at all (``configured``
+    False: no ``dtype`` attribute, no configuration with one), float32 is Flax's own default written
+    out (``dtype=jnp.float32`` on every module), not a decision. The module's ``param_dtype`` as
+    written comes with it.
+
+    Example:
+        >>> import jax.numpy as jnp, flax.linen as nn
+        >>> _author_dtypes(nn.Dense(3, dtype=jnp.float32), {"bfloat16"})
+        ('float32', 'float32')
+        >>> _author_dtypes(nn.Dense(3, dtype=jnp.float32), {"float32"}) is None  # handed down
+        True
+        >>> _author_dtypes(nn.Dense(3, dtype=jnp.float32), set(), configured=False) is None
+        True
+    """
+    if not _has_field(module, "dtype"):
+        return None
+    name = _dtype_name(getattr(module, "dtype", None))
+    if name is None or name in handed_down or (name == "float32" and not configured):
+        return None
+    cls = getattr(type(module), "_ampbridge_original", type(module))
+    default = _class_default(cls, "dtype")
+    if default is not _NO_DEFAULT and default is not None and _dtype_name(default) == name:
+        return None
+    param = _dtype_name(getattr(module, "param_dtype", None)) if _has_field(module, "param_dtype") else None
+    return name, param or name
+
+
 class _Resolver:
     """Plan rows from a module's ancestry, cached: the same rule resolution as :func:`plan`."""
 
@@ -185,13 +288,13 @@ class _Resolver:
         self._rows: dict[tuple, PlanRow] = {}
         self._lock = threading.Lock()
 
-    def row(self, chain: tuple[tuple[str, str | None, str], ...]) -> PlanRow:
-        """``chain``: (path, kind, class name) from the root down to the module itself."""
+    def row(self, chain: tuple[tuple[str, str | None, str, tuple[str, str] | None], ...]) -> PlanRow:
+        """``chain``: (path, kind, class name, dtypes the author fixed) from the root down to the module."""
         with self._lock:
             hit = self._rows.get(chain)
         if hit is not None:
             return hit
-        row = self._resolve.row([Layer(path, kind, cls) for path, kind, cls in chain])
+        row = self._resolve.row([Layer(path, kind, cls, fixed=fixed) for path, kind, cls, fixed in chain])
         with self._lock:
             self._rows[chain] = row
         return row

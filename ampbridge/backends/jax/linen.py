@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from ...core.matching import join_path
-from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused
+from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
 from .cast import _cast_tree
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _floating, _is_float_array, _linen
@@ -29,6 +29,8 @@ from .layers import (
     _is_float_dtype_or_none,
     _kind_and_source,
     _kind_of,
+    _author_dtypes,
+    _carried,
     _Resolver,
     _row_notes,
 )
@@ -39,19 +41,30 @@ def _linen_path(module: Any) -> str:
     return join_path(*[str(p) for p in module.path])
 
 
-def _linen_chain(module: Any, cache: dict | None = None) -> tuple[tuple[str, str | None, str], ...]:
-    """(path, kind, class) of the module and its ancestors, root first; ``cache`` (by ``id``, the
-    module kept alive beside its chain) spares recomputing the ancestors' part."""
+def _linen_chain(module: Any, cache: dict | None = None) -> tuple[tuple[str, str | None, str, Any], ...]:
+    """(path, kind, class, dtypes its author fixed) of the module and its ancestors, root first;
+    ``cache`` (by ``id``, the module kept alive beside its chain) spares recomputing the ancestors'
+    part, and keeps what each module hands down as first seen (before ampbridge set its dtype)."""
     nn = _linen()
-    if cache is not None:
-        hit = cache.get(id(module))
-        if hit is not None and hit[0] is module:
-            return hit[1]
+    if cache is None:
+        cache = {}
+    hit = cache.get(id(module))
+    if hit is not None and hit[0] is module:
+        return hit[1]
     parent = module.parent
     head = _linen_chain(parent, cache) if isinstance(parent, nn.Module) else ()
-    chain = head + ((_linen_path(module), _kind_of(module, "linen"), _class_name(module)),)
-    if cache is not None:
-        cache[id(module)] = (module, chain)
+    fixed = None
+    if head:  # the model's own dtype is the user's
+        handed_down: set[str] = set()
+        configured = False  # some enclosing module has a dtype setting (even None)
+        above = parent
+        while isinstance(above, nn.Module):
+            handed_down |= cache[id(above)][2] | _carried(above)  # as first seen, and as running now
+            configured = configured or _has_field(above, "dtype")
+            above = above.parent
+        fixed = _author_dtypes(module, handed_down, configured or bool(handed_down))
+    chain = head + ((_linen_path(module), _kind_of(module, "linen"), _class_name(module), fixed),)
+    cache[id(module)] = (module, chain, _carried(module))
     return chain
 
 
@@ -171,9 +184,11 @@ class _LinenInterceptor:
     """
 
     def __init__(self, resolver: _Resolver, *, record: dict | None = None,
-                 observer: Callable[[Observed], None] | None = None, memo: dict | None = None):
+                 observer: Callable[[Observed], None] | None = None, memo: dict | None = None,
+                 fixed: dict | None = None):
         self.resolver = resolver
         self.record = record
+        self.fixed = fixed  # path -> the dtypes its author fixed, as this policy runs the model
         self.observer = observer
         self.memo = memo
         self.memo_params: dict[str, int] = {}  # paths answered from the memo -> own parameter count
@@ -182,17 +197,27 @@ class _LinenInterceptor:
         self.entered = 0  # calls of another module than the caller's so far (memo only)
         self.depth = 0  # module calls in progress; 0 on entry: the model's own (outermost) call
         self.chains: dict[int, tuple] = {}  # id(module) -> (module, its chain), for this trace
+        self.calling: list[str] = []  # paths of the module calls in progress, outermost first
+        self.callers: dict[str, str] = {}  # path -> the module whose code first called it (record only)
 
     def __call__(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
         chain = _linen_chain(module, self.chains)
-        path, kind, class_name = chain[-1]
+        path, kind, class_name, fixed = chain[-1]
         if self.record is not None and path not in self.record:
-            self.record[path] = (kind, class_name, _facts(module, _kind_and_source(module, "linen")[1]))
+            self.record[path] = (kind, class_name,
+                                 _facts(module, _kind_and_source(module, "linen")[1])._replace(fixed=fixed))
+        if self.fixed is not None:
+            self.fixed[path] = fixed
         if self.memo is not None and (not self.modules or self.modules[-1] is not module):
             self.entered += 1
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
+        if self.record is not None:
+            # who calls whom (a Sequential made in a compact method owns none of its layers' paths)
+            caller = next((p for p in reversed(self.calling) if p != path), None)
+            if caller is not None:
+                self.callers.setdefault(path, caller)
         row = self.resolver.row(chain)
         compute = _DTYPES[row.compute_dtype]
         watch = _watched(self.resolver, path)
@@ -215,11 +240,15 @@ class _LinenInterceptor:
         self.depth += 1
         if self.memo is not None:
             self.modules.append(module)
+        if self.record is not None:
+            self.calling.append(path)
         try:
             with _attributes(module, **attrs):
                 out = next_fun(*args, **kwargs)
         finally:
             self.depth -= 1
+            if self.record is not None:
+                self.calling.pop()
             if self.memo is not None:
                 self.modules.pop()
         # the model's own call delivers the policy's output_dtype (the root row says so)
@@ -316,11 +345,28 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
         for path, entry in record.items():
             known.setdefault(path, entry)
     counts = {**recorder.memo_params, **_own_param_counts(variables.get("params", {}))}
-    layers = [Layer(path, kind, cls, counts.get(path, 0), fact.kind_source) for path, (kind, cls, fact) in record.items()]
+    layers = [Layer(path, kind, cls, counts.get(path, 0), fact.kind_source, fact.fixed)
+              for path, (kind, cls, fact) in record.items()]
     facts = {path: fact for path, (_, _, fact) in record.items()}
     plan_notes = list(notes) + [
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
         f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
     ]
-    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
-                      adjust=lambda row: _row_notes(row, facts.get(row.path, _Facts()), policy.output_dtype))
+    streams = stream_notes(policy, lambda path: _linen_caller(path, recorder.callers, record))  # as every backend
+
+    def adjust(row: PlanRow) -> PlanRow:
+        stream = streams(row)  # from the requested row
+        row = _row_notes(row, facts.get(row.path, _Facts()), policy.output_dtype)
+        return with_note(row, join_notes(stream, row.note)) if stream else row
+
+    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes, adjust=adjust)
+
+
+def _linen_caller(path: str, callers: Mapping[str, str], record: Mapping[str, tuple]) -> str | None:
+    """The module whose own code calls the one at ``path`` (as the planning trace saw it), or None
+    where a ``linen.Sequential`` feeds it (the next module casts its inputs itself) or nothing
+    called it (the model). ``record``: path -> (kind, class name, facts)."""
+    caller = callers.get(path)
+    if caller is None or record.get(caller, (None, ""))[1] == "Sequential":  # flax.linen.Sequential by name
+        return None
+    return caller

@@ -18,11 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core.matching import join_path
-from ...core.plan import Layer, Plan, build_plan, gc_paused
+from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
 from .cast import _cast_tree
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _is_float_array, _nnx
-from .layers import _class_name, _facts, _is_float_dtype_or_none, _kind_and_source, _row_notes
+from .layers import (
+    _author_dtypes,
+    _carried,
+    _class_name,
+    _facts,
+    _has_field,
+    _is_float_dtype_or_none,
+    _kind_and_source,
+    _row_notes,
+)
 from .watch import _watch, _watch_inputs, _watch_output_gradients, _watch_outputs, _watched
 
 
@@ -76,9 +85,36 @@ def _nnx_layers(module: Any) -> _NnxModel:
             owner = owner.rsplit(".", 1)[0] if "." in owner else ""
         owners[path] = owner
         counts[owner] = counts.get(owner, 0) + int(np.size(value))
-    layers = [Layer(path, kind, _class_name(m), counts.get(path, 0), source)
+    fixed = _nnx_author_dtypes(module, modules)
+    layers = [Layer(path, kind, _class_name(m), counts.get(path, 0), source, fixed.get(path))
               for path, m in modules for kind, source in (_kind_and_source(m, "nnx"),)]
     return _NnxModel(layers, instances, owners, params, stats)
+
+
+def _nnx_author_dtypes(model: Any, modules: list[tuple[str, Any]]) -> dict[str, tuple[str, str]]:
+    """path -> the (dtype, param_dtype) the model's code fixed (:func:`_author_dtypes`; the enclosing
+    modules' ``dtype`` and configuration as the model holds them). A copy ampbridge already applied
+    holds its Plan's dtypes instead of the author's: its Plan's ``set by the model`` rows stand for them."""
+    key = _nnx_key(model)
+    if key is not None:
+        return {r.path: (r.compute_dtype, r.param_dtype) for r in key.plan if r.rule == BY_MODEL
+                and r.inherited_from is None}
+    handed: dict[str, tuple[set[str], bool]] = {}  # path -> what it and its ancestors hand down, configured
+    fixed = {}
+    for path, m in modules:  # parents first
+        own = (_carried(m), _has_field(m, "dtype"))
+        if not path:
+            handed[path] = own
+            continue
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        while parent not in handed and parent:
+            parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+        above, configured = handed.get(parent, (set(), False))
+        author = _author_dtypes(m, above, configured or bool(above))
+        if author is not None:
+            fixed[path] = author
+        handed[path] = (above | own[0], configured or own[1])
+    return fixed
 
 
 @gc_paused()
@@ -89,8 +125,28 @@ def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[st
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
         f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
     ]
-    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes,
-                      adjust=lambda row: _row_notes(row, _facts(instances.get(row.path)), policy.output_dtype))
+    streams = stream_notes(policy, lambda path: _nnx_caller(path, instances))  # the same rule in every backend
+
+    def adjust(row: PlanRow) -> PlanRow:
+        stream = streams(row)  # from the requested row
+        row = _row_notes(row, _facts(instances.get(row.path)), policy.output_dtype)
+        return with_note(row, join_notes(stream, row.note)) if stream else row
+
+    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes, adjust=adjust)
+
+
+def _nnx_caller(path: str, instances: Mapping[str, Any]) -> str | None:
+    """The nearest enclosing callable module (its own code calls the one at ``path``), or None
+    where an ``nnx.Sequential`` feeds it (the next module casts its inputs itself)."""
+    sequential = getattr(_nnx(), "Sequential", ())
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        module = instances.get(path)
+        if module is not None and isinstance(module, sequential):
+            return None
+        if module is not None and _is_callable_module(module):
+            return path
+    return None
 
 
 _NNX_SUBCLASSES: dict[type, type] = {}

@@ -21,10 +21,11 @@ from keras import ops
 from ...core.matching import compile_pattern
 from ...core.plan import build_plan
 from ...core.policy import Policy
-from ...errors import UnsupportedOptionError, warn_once
+from ...errors import UnsupportedOptionError
 from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
-from .layers import _AUTHOR, _AUTO, _describe, kind_of, layers
-from .plan import _FLOATS, _same_policy, _stream_returns, dtype_policy
+from .layers import _AUTHOR, _AUTO, _code_caller, _describe, kind_of, layers
+from .plan import _FLOATS, _same_policy, _streams, dtype_policy
+from .policy_map import carry_pins
 
 
 # --- apply ------------------------------------------------------------------------------------
@@ -45,9 +46,10 @@ def _is_float(x: Any) -> bool:
 def _call_wrapper(layer: Any) -> Any:
     """The one ``call`` wrapper ampbridge puts on a layer instance (made on first use).
 
-    It carries two settings read at every call (so at every trace): ``cast``, the dtype the
-    layer's float outputs are cast to (or None), and ``probe``, the monitor's hooks on the
-    layer's inputs and outputs (or None). An instance attribute: ``Layer.__call__`` runs
+    It carries three settings read at every call (so at every trace): ``cast``, the dtype the
+    layer's float outputs are cast to (or None), ``probe``, the monitor's hooks on the
+    layer's inputs and outputs (or None), and ``promote``: TensorFlow's numpy-style promotion
+    on while the layer's own code runs (:func:`_tensorflow_promotion`). An instance attribute: ``Layer.__call__`` runs
     ``self.call`` on every backend and inside jit, and JAX's ``stateless_call`` runs the model's.
     """
     wrapper = layer.__dict__.get(_WRAPPER)
@@ -60,7 +62,8 @@ def _call_wrapper(layer: Any) -> Any:
         probe = call.probe
         if probe is not None:
             args, kwargs = probe.before(args, kwargs)
-        out = inner(*args, **kwargs)
+        with _tensorflow_promotion() if call.promote else contextlib.nullcontext():
+            out = inner(*args, **kwargs)
         if call.cast is not None:
             out = keras.tree.map_structure(lambda t: _cast_float(t, call.cast), out)
         if probe is not None:
@@ -69,6 +72,7 @@ def _call_wrapper(layer: Any) -> Any:
 
     call.cast = None  # type: ignore[attr-defined]
     call.probe = None  # type: ignore[attr-defined]
+    call.promote = False  # type: ignore[attr-defined]
     object.__setattr__(layer, _WRAPPER, call)
     object.__setattr__(layer, "call", call)
     return call
@@ -77,7 +81,7 @@ def _call_wrapper(layer: Any) -> Any:
 def _drop_idle_wrapper(layer: Any) -> None:
     """Remove the wrapper once it has nothing to do (unless someone wrapped ``call`` over it)."""
     wrapper = layer.__dict__.get(_WRAPPER)
-    if wrapper is None or wrapper.cast is not None or wrapper.probe is not None:
+    if wrapper is None or wrapper.cast is not None or wrapper.probe is not None or wrapper.promote:
         return
     del layer.__dict__[_WRAPPER]
     if layer.__dict__.get("call") is not wrapper:
@@ -98,6 +102,45 @@ def _set_output_cast(layer: Any, dtype: str | None) -> None:
             _drop_idle_wrapper(layer)
         return
     _call_wrapper(layer).cast = dtype
+
+
+@contextlib.contextmanager
+def _tensorflow_promotion() -> Iterator[None]:
+    """TensorFlow's numpy-style promotion of tensor operators while the block runs: ``float16 +
+    float32`` gives float32, as jnp and torch promote (TensorFlow refuses it otherwise), so a
+    pinned layer's float32 output meeting its caller's float16 stream (``x + residual``) computes
+    what it computes on JAX and torch. Traced ops keep the casts it adds, so ``fit``'s compiled
+    step (forward and backward) keeps them too. Nested blocks and a mode the user set are left
+    as they are; the previous mode is restored after, even on error. The mode is process-wide
+    (TensorFlow keeps it in one module global): other threads' ops promote too while it is on.
+    """
+    # private: tensorflow.python.framework.ops.{get,set}_dtype_conversion_mode, checked on TF 2.21
+    # (public only as tf.experimental.numpy.experimental_enable_numpy_behavior: process-wide, no
+    # way back, numpy methods added). "legacy" is TF's numpy-style promotion: only Tensor's binary
+    # operators (+ - * / @ ...) promote, by np.result_type (Python scalars stay weak). "safe" and
+    # "all" route every TF API through TF's new promotion, which cannot type Keras variables (TF's
+    # TODO b/286585200): even Dense and LayerNormalization fail inside tf.function there.
+    from tensorflow.python.framework.ops import get_dtype_conversion_mode, set_dtype_conversion_mode
+
+    if get_dtype_conversion_mode().name != "OFF":  # on already (an outer block, or the user's)
+        yield
+        return
+    set_dtype_conversion_mode("legacy")
+    try:
+        yield
+    finally:
+        set_dtype_conversion_mode("off")
+
+
+def _set_promotion(by_path: dict[str, Any], callers: set[str]) -> None:
+    """Turn TensorFlow's promotion on in ``callers`` (their own code mixes a pinned layer's output
+    with their stream) and off everywhere else (a re-apply with another policy)."""
+    for path, layer in by_path.items():
+        if path in callers:
+            _call_wrapper(layer).promote = True
+        elif layer.__dict__.get(_WRAPPER) is not None:
+            layer.__dict__[_WRAPPER].promote = False
+            _drop_idle_wrapper(layer)
 
 
 def _cast_float(t: Any, dtype: str) -> Any:
@@ -148,7 +191,9 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     variable dtype changes has its variables re-created in the new dtype with the same values;
     a row whose output dtype differs from its compute dtype, every composite layer (its output
     is its last sublayer's otherwise) and the model itself (to ``output_dtype``) get their
-    float outputs cast. Layers not yet built are set up now and
+    float outputs cast. On TensorFlow, a layer whose own code meets a pinned layer's output of
+    another dtype (a Plan row saying so) runs with TensorFlow's numpy-style promotion of tensor
+    operators, as JAX and torch promote (:func:`_tensorflow_promotion`). Layers not yet built are set up now and
     re-checked when they build (composite layers create their sublayers then). Compiled
     train/test/predict functions are rebuilt, and ``matmul_precision`` is set process-wide.
     Calling it again with another policy re-applies cleanly.
@@ -166,7 +211,9 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     described, by_path = _describe(model)
     requested = build_plan(described, active, framework="keras", warn=warn)
     optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
-    returns = _stream_returns(active, by_path)
+    streams = _streams(active, by_path)  # rows whose output meets their caller's stream of another dtype
+    callers = {_code_caller(row.path, by_path) for row in requested if streams(row) is not None}
+    _set_promotion(by_path, {c for c in callers if c is not None} if _backend() == "tensorflow" else set())
     recast = False
     for row in requested:
         layer = by_path[row.path]
@@ -194,12 +241,6 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
             layer.dtype_policy = new
             _recast_constants(layer)
         wanted = policy.output_dtype if row.path == "" else row.output_dtype
-        stream = returns(row)  # called from a layer's code into a stream of another dtype
-        if stream is not None and _backend() == "tensorflow":
-            warn_once(f"layer {row.path!r} returns {row.output_dtype} into {stream[1] or 'the model'}'s "
-                      f"{stream[0]} code; TensorFlow does not promote a raw {stream[0]} + {row.output_dtype} "
-                      f"(an [[override]] with output_dtype = \"{stream[0]}\" returns it to the stream)",
-                      key=f"stream:{id(model)}:{row.path}")
         # Keras layers emit their compute dtype; a composite layer emits whatever its last
         # sublayer does (a pinned norm at the end of an unpinned block: float32), so composites
         # always get the cast (a no-op where the dtype already matches)
@@ -212,6 +253,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     try:
         object.__setattr__(model, "_ampbridge_policy", policy)
         _attach_policy_asset(model)
+        carry_pins(model)  # plain Keras rebuilds a keras-hub backbone's pins from its saved config
     except AttributeError:  # pragma: no cover - exotic layer classes
         pass
     monitor = model.__dict__.get("_ampbridge_monitor")

@@ -1,7 +1,7 @@
 """The Plan of a Keras model (the core's rules, plus the rows where Keras itself does otherwise),
 and the Keras dtype policy each row becomes.
 
-Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_adjuster``, ``_same_policy``, ``_FLOATS``.
+Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_adjuster``, ``_streams``, ``_same_policy``, ``_FLOATS``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from ...core.plan import BY_MODEL, Plan, PlanRow, build_plan, with_note
+from ...core.plan import Plan, PlanRow, build_plan, stream_notes, with_note
 from ...core.policy import Policy
 from .environment import _backend, _phase0, resolve_policy
 from .layers import _code_caller, _describe
@@ -80,13 +80,13 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
     backend = _backend()
     norms = tuple(getattr(keras.layers, n) for n in _INTERNAL_FLOAT32 if hasattr(keras.layers, n))
 
-    returns = _stream_returns(policy, by_path)
+    streams = _streams(policy, by_path)
 
     def adjust(row: PlanRow) -> PlanRow:
         layer, notes, changes = by_path[row.path], [], {}
-        stream = returns(row)
+        stream = streams(row)
         if stream is not None:
-            notes.append(_stream_note(row, stream))
+            notes.append(stream)
         half = row.compute_dtype in ("float16", "bfloat16")
         if row.path == "" and row.output_dtype != policy.output_dtype:
             notes.append(f"model outputs cast to output_dtype {policy.output_dtype}")
@@ -116,37 +116,17 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
     return adjust
 
 
-def _stream_note(row: PlanRow, stream: tuple[str, str]) -> str:
-    dtype, caller = stream
-    return (f"called from {caller or 'the model'}'s own code, which computes in {dtype}: its "
-            f"{row.output_dtype} output meets that stream (JAX and torch promote to {row.output_dtype}; "
-            f"TensorFlow refuses a raw {dtype} + {row.output_dtype}: an [[override]] with "
-            f'output_dtype = "{dtype}" returns it to the stream)')
-
-
-def _stream_returns(policy: Policy, by_path: dict[str, Any]):
-    """``returns(row) -> (dtype, caller) | None``, fed the requested rows parents first: a layer
-    called from another layer's own code (keras-hub's ``TransformerEncoder`` calling its norm) whose
-    output dtype differs from its caller's compute dtype, unless its rule sets ``output_dtype`` or
-    its dtypes are the model's own. The caller's code mixes what it returns with its own tensors
-    (``x + residual``): JAX and torch promote the stream (as torch and Flax do with the same
-    model, so the Plan stays the same in every framework), TensorFlow refuses float16 + float32.
-    The row says so and ``apply`` warns on TensorFlow; the output is not changed behind the
-    policy's back. A layer called by a Functional graph is not flagged: Keras casts each layer's
-    inputs to that layer's compute dtype.
+def _streams(policy: Policy, by_path: dict[str, Any]):
+    """``note(row) -> str | None``, fed the requested rows parents first: the core's
+    :func:`~ampbridge.core.plan.stream_notes` with Keras's callers (:func:`_code_caller`): a layer
+    called from another layer's own code (keras-hub's ``TransformerEncoder`` calling its norm)
+    whose output dtype differs from its caller's compute dtype. The caller's code mixes what it
+    returns with its own tensors (``x + residual``): JAX and torch promote, and on TensorFlow
+    ``apply`` turns on TensorFlow's numpy-style promotion while the caller runs, so the stream
+    becomes the same dtype on every backend. A layer called by a Functional graph or a Sequential
+    is not flagged: Keras casts each layer's inputs to that layer's compute dtype.
     """
-    # keep_float32 entries say float32 for all three dtypes; only an [[override]] asks for an output
-    explicit = {label for label, rule in policy.rules if label.startswith("override") and rule.output_dtype}
-    compute: dict[str, str] = {}
-
-    def returns(row: PlanRow) -> tuple[str, str] | None:
-        compute[row.path] = row.compute_dtype
-        caller = _code_caller(row.path, by_path)
-        if caller is None or caller not in compute or row.rule == BY_MODEL or row.rule in explicit:
-            return None
-        return (compute[caller], caller) if compute[caller] != row.output_dtype else None
-
-    return returns
+    return stream_notes(policy, lambda path: _code_caller(path, by_path))
 
 
 def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:

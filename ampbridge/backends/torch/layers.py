@@ -1,16 +1,17 @@
 """The model's walk: neutral ``Layer`` descriptors (path, kind, class name, parameter count), the
 portable kinds of torch.nn classes, and the registry's question (is this a torch model?).
 
-Holds ``owns``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``layers``, ``_class_name`` and
-``_entries``. Kinds: ``ampbridge_kind`` attribute, ``register_kind``, torch.nn's classes, then the core's
+Holds ``owns``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``layers``, ``_class_name``,
+``_entries`` and ``_kept_in_float32`` (the modules a transformers model keeps in float32). Kinds: ``ampbridge_kind`` attribute, ``register_kind``, torch.nn's classes, then the core's
 inference (:mod:`ampbridge.core.kinds`) on the class and its bases' names, then structure.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -173,3 +174,62 @@ def layers(model: nn.Module) -> list[Layer]:
         kind, source = kind_and_source(module)
         out.append(Layer(path, kind, _class_name(module), own, source))
     return out
+
+
+# --- the model author's float32 modules (transformers' _keep_in_fp32_modules) ---------------------
+
+class _Kept(NamedTuple):
+    """A module that a model's ``_keep_in_fp32_modules`` (or ``_strict``) names."""
+
+    strict: bool  # _keep_in_fp32_modules_strict: float32 under float16 and bfloat16; else under float16 only
+    declared: str  # where, for the row's note: "T5ForConditionalGeneration._keep_in_fp32_modules 'wo'"
+
+
+def _kept_in_float32(model: nn.Module) -> tuple[dict[str, _Kept], list[str]]:
+    """The modules transformers keeps in float32, and notes on the entries ampbridge cannot pin.
+
+    As transformers 5 does when loading (``PreTrainedModel._get_dtype_plan`` and
+    ``core_model_loading.build_glob_alternation``): each entry of a module's
+    ``_keep_in_fp32_modules`` / ``_keep_in_fp32_modules_strict`` is a regex (``*`` read as ``.*``)
+    *searched* in the names of that module's parameters and buffers (``encoder.block.0.layer.1.
+    DenseReluDense.wo.weight`` for T5's ``wo``); the module owning a matching one is kept. A
+    parameter the declaring model owns itself (BLIP-2's ``query_tokens``) has no module of its own
+    to pin: it is listed in the notes instead. Any module may declare them (duck-typed: no import).
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     _keep_in_fp32_modules = ["head"]
+        ...     def __init__(self):
+        ...         super().__init__(); self.body, self.head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        >>> kept, notes = _kept_in_float32(Net())
+        >>> sorted(kept), kept["head"].strict, notes
+        (['head'], False, [])
+    """
+    kept: dict[str, _Kept] = {}
+    notes: list[str] = []
+    for prefix, module in model.named_modules():
+        for strict, attr in ((False, "_keep_in_fp32_modules"), (True, "_keep_in_fp32_modules_strict")):
+            entries = getattr(module, attr, None)
+            if not entries or isinstance(entries, str):
+                continue
+            names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + \
+                    [n for n, _ in module.named_buffers(remove_duplicate=False)]
+            for entry in sorted(entries):
+                searched = re.compile(str(entry).replace("*", ".*"))
+                declared = f"{_class_name(module)}.{attr} {entry!r}"
+                for name in names:
+                    if searched.search(name) is None:
+                        continue
+                    owner = name.rpartition(".")[0]
+                    if not owner:
+                        note = (f"{declared} names {prefix + '.' if prefix else ''}{name}, a parameter of the "
+                                f"{'model' if not prefix else repr(prefix)} itself: no module of its own to keep in "
+                                f"float32, so it follows its module's row")
+                        if note not in notes:
+                            notes.append(note)
+                        continue
+                    path = f"{prefix}.{owner}" if prefix else owner
+                    if path not in kept or (strict and not kept[path].strict):
+                        kept[path] = _Kept(strict, declared)
+    return kept, notes

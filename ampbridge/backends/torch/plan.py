@@ -1,25 +1,25 @@
 """The Plan: the core's rows, corrected by what torch autocast really does with each module on
 the device, and the specs that make the rows true.
 
-Holds ``_behaviour``, ``_bypassed``, ``_Realisation``, ``_realise`` and ``_natural``.
+Holds ``_behaviour``, ``_bypassed``, ``_author_layers``, ``_Realisation``, ``_realise`` and ``_natural``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...core.plan import Plan, PlanRow, build_plan, with_note
+from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, stream_notes, with_note
 from ...core.policy import Policy
 from ...errors import AmpBridgeError, UnsupportedOptionError
 from .environment import _LOW, _NAMES, DTYPES, cpu_lstm_runs, cpu_lstm_takes_float32_inputs
 from .forward import _Spec
-from .layers import _class_name, _entries, layers
+from .layers import _class_name, _entries, _Kept, _kept_in_float32, layers
 
 # --- what autocast does with each module, per device ---------------------------------------------
 #
@@ -72,6 +72,47 @@ def _bypassed(model: nn.Module) -> dict[str, str]:
     return out
 
 
+#: the compute dtypes under which transformers keeps a module in float32 (``_get_dtype_plan``)
+_KEPT_UNDER = {False: ("float16",), True: ("float16", "bfloat16")}
+
+
+def _author_layers(model: nn.Module, policy: Policy) -> tuple[list[Layer], dict[str, _Kept], list[str]]:
+    """The model's layers, those its author keeps in float32 marked ``fixed`` (the Plan's ``set by
+    the model``), as transformers would: ``_keep_in_fp32_modules`` where the module would otherwise
+    compute in float16, ``_keep_in_fp32_modules_strict`` in float16 or bfloat16 (the compute dtype
+    its row has without the author's choice stands for ``from_pretrained``'s ``dtype``)."""
+    described = layers(model)
+    kept, notes = _kept_in_float32(model)
+    if not kept:
+        return described, kept, notes
+    without = build_plan(described, policy, framework="torch", warn=False)
+    described = [replace(layer, fixed=("float32", "float32"))
+                 if layer.path in kept and without[layer.path].compute_dtype in _KEPT_UNDER[kept[layer.path].strict]
+                 else layer for layer in described]
+    return described, kept, notes
+
+
+def _code_caller(path: str, modules: Mapping[str, nn.Module]) -> str | None:
+    """The path of the module whose own ``forward`` calls the one at ``path``, or None where an
+    ``nn.Sequential`` feeds it (the next module casts its inputs itself, as autocast or ampbridge's
+    input cast does). ``nn.ModuleList``/``nn.ModuleDict`` have no forward: their owner calls.
+
+    Example:
+        >>> m = nn.Module(); m.blocks = nn.ModuleList([nn.Sequential(nn.Linear(2, 2))])
+        >>> modules = dict(m.named_modules())
+        >>> _code_caller("blocks.0", modules), _code_caller("blocks.0.0", modules)
+        ('', None)
+    """
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        parent = modules.get(path)
+        if isinstance(parent, nn.Sequential):
+            return None
+        if not isinstance(parent, (nn.ModuleList, nn.ModuleDict)):
+            return path
+    return None
+
+
 def _widest(names: Iterable[str]) -> str:
     names = set(names)
     if len(names) == 1:
@@ -96,9 +137,15 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
              notes: Sequence[str] = ()) -> _Realisation:
     entries = _entries(model)
     modules = dict(entries)
-    raw = build_plan(layers(model), policy, framework="torch", warn=warn)
+    described, kept, kept_notes = _author_layers(model, policy)
+    raw = build_plan(described, policy, framework="torch", warn=warn)
     rules = dict(policy.rules)
     bypassed = _bypassed(model)
+    # rows whose output meets their caller's stream of another dtype: the same rule in every backend.
+    # Each such caller emits its own row's dtype (its output is cast), as Keras's and Flax's do
+    streams = stream_notes(policy, lambda path: _code_caller(path, modules))
+    stream_of = {row.path: streams(row) for row in raw.rows}
+    stream_callers = {_code_caller(path, modules) for path, said in stream_of.items() if said}
 
     # 1. storage: each parameter in the dtype its module's row asks for (the widest, if shared)
     requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -144,6 +191,7 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         module = modules[row.path]
         behaviour = _behaviour(module, device_type)
         path = row.path
+        stream = stream_of[path]
         if path in bypassed:
             parent = raw[bypassed[path]]
             if row.compute_dtype != parent.compute_dtype:
@@ -181,13 +229,15 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
                          and present_as is None and compute != "float32")
         wrap = region_change or cast_inputs or present_as is not None or follow_params or (
-            explicit_output and row.output_dtype != natural_out)
+            explicit_output and row.output_dtype != natural_out) or path in stream_callers
         if is_root:
             wrap = False
             specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
                               DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
         changes: dict[str, Any] = {}
-        notes_here = [note] if note else []
+        notes_here = [n for n in (stream, note) if n]
+        if row.rule == BY_MODEL and path in kept:
+            notes_here.insert(0, kept[path].declared)
         stored = {_NAMES[d] for d in own_stored}
         if len(stored) == 1 and stored != {row.param_dtype}:
             stored_name = stored.pop()
@@ -220,7 +270,7 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
         final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
 
-    plan_notes = list(notes)
+    plan_notes = list(notes) + kept_notes
     if policy.matmul_precision != "highest":
         plan_notes.append(f"matmul_precision {policy.matmul_precision}: torch.set_float32_matmul_precision"
                           f"({policy.matmul_precision!r}) inside amp.model, amp.autocast() and amp.step(), "
