@@ -10,8 +10,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+from collections.abc import Iterator
 from types import ModuleType
 
 
@@ -109,3 +111,43 @@ def zoo_line(name: str, compute: str, got: dict, bare: dict) -> tuple[str, ...]:
     counted = len(got["expected_pinned"])
     return (name, compute, str(got["layers"]), kinds, str(counted), str(counted - len(got["unpinned"])),
             str(got["pinned"]), str(got["checked"]), str(len(got["mismatches"])), str(len(bare["mismatches"])))
+
+
+@contextlib.contextmanager
+def jax_device_reads() -> Iterator[dict[str, int]]:
+    """Counts, while inside, what makes the host wait for or read a JAX device: array values read
+    (``float``, ``np.asarray``, ``device_get`` ...), asynchronous copies to the host and
+    ``block_until_ready`` (the monitors' exact counts, in tests and benchmarks).
+
+    Example (with JAX installed; the core's doctests run without it)::
+
+        with jax_device_reads() as counts:
+            float(jnp.ones(()))
+        assert counts["read"] == 1
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    kind = type(jnp.zeros(()))
+    counts = {"read": 0, "copy_to_host_async": 0, "block_until_ready": 0}
+    value, copy, block = kind._value, kind.copy_to_host_async, kind.block_until_ready
+
+    def counted(name, fn):
+        def run(self, *a, **k):
+            counts[name] += 1
+            return fn(self, *a, **k)
+        return run
+
+    wait = jax.block_until_ready
+    # private: jaxlib's ArrayImpl._value (float(), np.asarray, device_get all read through it; jax 0.10.2)
+    kind._value = property(counted("read", value.fget))
+    kind.copy_to_host_async = counted("copy_to_host_async", copy)
+    kind.block_until_ready = counted("block_until_ready", block)
+    jax.block_until_ready = functools.partial(counted("block_until_ready", lambda _, x: wait(x)), None)
+    try:
+        yield counts
+    finally:
+        kind._value, kind.copy_to_host_async, kind.block_until_ready = value, copy, block
+        jax.block_until_ready = wait

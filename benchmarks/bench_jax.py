@@ -22,12 +22,16 @@ Where the MLP's time goes (issue 24 reported 1.13-1.18 there): XLA's CPU profile
 compiled programs run the same kernels: the same 5 YNNPACK dot fusions and 4 Eigen dots (the
 ``operand_precision=highest`` ampbridge's matmul_precision puts on its dots changes no kernel on
 the CPU), and one elementwise update fusion per parameter on each side, within noise of each
-other. Host dispatch differs by about 8 us a step (the AmpState pytree flattens in 8 us against
-2 us for jmp's two scalars), 0.2% of a 4 ms step. What remained were scalar ops of the loss-scale
-update (bit-pattern compares where a normal ``min_scale`` makes float compares exact, a double
-negation): removed, so ampbridge's lowered ops went 309 -> 300 and optimised instructions
-880 -> 874 on the MLP. The rest of the difference in counts is the reference algorithm's state
-(steps, skipped, hysteresis, min_scale hits), which jmp does not keep.
+other. The rest was per call: every leaf of the optimizer state is a buffer the jitted step takes
+and returns (about 1.3 us each: a jitted ``x + 1`` over 1, 2, 6, 12 int32 scalars takes 3.7, 5.0,
+9.9, 17.8 us a call; flattening the state is < 1 us, NamedTuples flatten in C++), and the
+loss-scale state had 6 scalar leaves against jmp's 2, each updated by its own small fusion that
+recomputed the AND of the 8 per-parameter finiteness flags. On the same MLP at widths 4 (compute
+~0) that was 50 us a step against 39 us for jmp. Now: ``LossScaleState(scale, counters: int32[5])``
+(2 leaves), one finiteness flag carried through the per-parameter reductions, selects without
+wrapper functions, one ``-0.0`` array per shape: MLP lowered ops 300 -> 294 (jmp 292), optimised
+instructions 874 -> 678 (jmp 767), state leaves 6 -> 2 (jmp 2), and the width-4 step at jmp's
+time (``tests/backend_jax/test_step_counts.py`` holds the counts).
 
 Usage: python benchmarks/bench_jax.py [--rounds 31] [--steps 20] [--dim 64] [--models transformer,mlp,many-small]
 """
@@ -222,7 +226,10 @@ def measure(name: str, args) -> list[str]:
         tx_p, step_p, _, _ = make_steps(model, ampbridge.preset("mixed_float16"), jmp_policy, inner(), scale0, period)
         ops_p = lowered_ops(jax.jit(step_p).lower(params, jax.jit(tx_p.init)(params), *data[0]).as_text())
         rows.append(("  (preset mixed_float16: no min_scale)", str(sum(ops_p.values())), "-", "-"))
+    leaves_a = len(jax.tree_util.tree_leaves(state_a))
+    leaves_j = len(jax.tree_util.tree_leaves(state_j)) + len(scale_j)
     rows += [("optimised HLO instructions", str(inst_a), str(inst_j), f"{inst_a / inst_j:.3f}"),
+             ("optimizer + loss-scale state leaves", str(leaves_a), str(leaves_j), "-"),
              ("host callbacks in the step", str(host_callbacks(text_a)), str(host_callbacks(text_j)), "-"),
              ("step ms, median (IQR, rounds)", spread(times_a, scale=1e3), spread(times_j, scale=1e3),
               spread(ratios))]

@@ -1,28 +1,35 @@
 """JAX numerics monitor cost: the train step without a monitor, with every=1, with every=100.
 
 All steps train the conformance transformer (made wider, as in bench_jax.py) with float16
-compute, float32 master weights, dynamic loss scaling and Adam. Variants:
+compute, float32 master weights, dynamic loss scaling and Adam. One step function
+``step(params, opt_state, x, y, sample)`` calls ``ampbridge.jax.numerics(..., sample=sample)``;
+``sample`` is static, so it compiles to two programs:
 
-- ``plain``: ``jax.grad`` of ``scale_loss(loss)``, ``tx.update`` (no monitor);
-- ``every=1``: ``ampbridge.jax.numerics(..., every=1)`` (statistics and attribution every step)
-  and ``Monitor(every=1).record`` each step (a log line per step);
-- ``every=100 (cond)``: one compiled step, statistics under a ``lax.cond`` on the step counter;
-  attribution flags every step; ``Monitor(every=100)``;
-- ``every=100 (2 programs)``: the host picks one of two compiled steps, ``every=None`` (flags
-  only) or ``every=1`` (on steps 0, 100, ...), by ``monitor.due(step)``;
-- ``every=100 (2 programs), 'outputs'``: the same with ``attribution="outputs"`` (output
-  gradients watched; the parameters stay bit-identical to the run without a monitor);
-- ``every=100 (2 programs), no attribution``: statistics only (``attribution=False``);
-- ``flags only``: ``every=None`` every step (what attribution costs on its own), no monitor.
+- ``no monitor``: the same step written with ``ampbridge.jax.value_and_grad`` (what
+  ``numerics(sample=False)`` is), no Monitor;
+- ``every=100 (wrap)``: ``Monitor(every=100).wrap(step)``: the host picks the program by its own
+  step counter (no device read): statistics and attribution on steps 0, 100, ...; the program
+  without a monitor on the others (a skipped one among them is replayed with statistics at the
+  next sampled step, reading the loss-scale counters once there);
+- ``every=100 (wrap), 'outputs'``: the same with ``attribution="outputs"`` on the sampled steps
+  (the parameters stay bit-identical to the run without a monitor);
+- ``every=100 (cond)``: the older one-program form: ``numerics(every=100)`` every step
+  (statistics under a ``lax.cond``, attribution flags every step) and ``Monitor.record`` each step;
+- ``every=1 (wrap)``: statistics and attribution every step;
+- ``no monitor again (control)``: a second copy of the loop without a monitor, timed like the
+  others: its ratio is what the machine's noise alone gives.
 
-Reported: lowered StableHLO ops (``jax.jit(step).lower(...).as_text()``, ``func`` ops excluded),
-optimised HLO instructions (``.compile().as_text()``), host callbacks (must be 0), and step time:
-all variants in one process, interleaved round by round (rotating order), each round
-``--steps`` steps ending with ``block_until_ready`` (and ``monitor.flush()``); the ratios are the
-medians over rounds of variant / no monitor, of wall time and of this process's CPU time (XLA's
-threads included; steadier than wall time when other work shares the machine).
+Reported: per compiled program, lowered StableHLO ops (``jax.jit(step).lower(...).as_text()``,
+``func`` ops excluded), ``stablehlo.convert`` ops among them (casts), optimised HLO instructions
+(``.compile().as_text()``) and host callbacks (must be 0); per unsampled step of the train loop,
+the device reads (array values read, asynchronous copies to the host, waits), counted over 99
+unsampled steps with and without the monitor; step time: all variants in one process,
+interleaved round by round (rotating order), each round ``--steps`` steps ending with
+``block_until_ready``; per variant the median, interquartile range and number of rounds of the
+per-round ratio variant / no monitor (wall time, and this process's CPU time, XLA's threads
+included).
 
-Usage: python benchmarks/bench_monitor_jax.py [--rounds 15] [--steps 100] [--dim 64]
+Usage: python benchmarks/bench_monitor_jax.py [--rounds 31] [--steps 100] [--dim 64] [--only "every=100 (wrap)"]
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ import functools
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +52,12 @@ import optax
 
 import ampbridge
 import ampbridge.jax as abj
+from ampbridge._testing import jax_device_reads as device_reads
 from ampbridge.cli.demo.flax_model import build, loss_fn
 from ampbridge.cli.demo.model import Config, batches
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _stats import spread  # noqa: E402
 
 
 def lowered_ops(text: str) -> int:
@@ -62,9 +75,11 @@ def host_callbacks(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--only", default="", help="comma-separated train-loop variants to time (default: all; "
+                        "'no monitor' is always timed)")
     args = parser.parse_args()
 
     config = Config(dim=args.dim, hidden=4 * args.dim, heads=4, seq=16, batch=16, vocab=256)
@@ -77,85 +92,98 @@ def main() -> None:
     params = amp.cast_params(variables, data[0][0])["params"]
     opt_state = jax.jit(tx.init)(params)
 
+    def loss_of(p, x, y):
+        return loss_fn(amp.apply({"params": p}, x), y)
+
+    @jax.jit
     def plain(params, opt_state, x, y):
-        grads = jax.grad(lambda p: abj.scale_loss(loss_fn(amp.apply({"params": p}, x), y), opt_state))(params)
+        loss, grads = abj.value_and_grad(loss_of, opt_state)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, None
 
-    def monitored(params, opt_state, x, y, every, attribution=True):
-        _, grads, stats = abj.numerics(amp, lambda p: loss_fn(amp.apply({"params": p}, x), y), opt_state,
-                                       every=every, attribution=attribution)(params)
+    @functools.partial(jax.jit, static_argnames=("sample", "attribution", "every"))
+    def step(params, opt_state, x, y, sample=False, attribution=True, every=1):
+        loss, grads, stats = abj.numerics(amp, loss_of, opt_state, sample=sample, attribution=attribution,
+                                          every=every)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, stats
 
-    programs = {
-        "plain": plain,
-        "numerics every=1": functools.partial(monitored, every=1),
-        "numerics every=100 (cond)": functools.partial(monitored, every=100),
-        "numerics every=None (flags only)": functools.partial(monitored, every=None),
-        "numerics every=1, attribution='outputs'": functools.partial(monitored, every=1, attribution="outputs"),
-        "numerics every=None, attribution='outputs'": functools.partial(monitored, every=None,
-                                                                         attribution="outputs"),
-        "numerics every=1, no attribution": functools.partial(monitored, every=1, attribution=False),
-        "numerics every=None, no attribution": functools.partial(monitored, every=None, attribution=False),
+    programs = {  # the jitted function and its static arguments
+        "no monitor (abj.value_and_grad)": (plain, {}),
+        "unsampled step (sample=False)": (step, {"sample": False}),
+        "sampled step (sample=True)": (step, {"sample": True}),
+        "sampled step, attribution='outputs'": (step, {"sample": True, "attribution": "outputs"}),
+        "sampled step, no attribution": (step, {"sample": True, "attribution": False}),
+        "every=100 (cond), every step": (step, {"sample": True, "every": 100}),
+        "flags only (every=None)": (step, {"sample": True, "every": None}),
     }
     x0, y0 = data[0]
     counts = {}
-    compiled = {}
-    for name, fn in programs.items():
-        lowered = jax.jit(fn).lower(params, opt_state, x0, y0)
+    for name, (fn, static) in programs.items():
+        lowered = fn.lower(params, opt_state, x0, y0, **static)
         text = lowered.as_text()
-        exe = lowered.compile()
-        compiled[name] = exe
-        counts[name] = (lowered_ops(text), compiled_instructions(exe.as_text()), host_callbacks(text))
+        counts[name] = (lowered_ops(text), text.count("stablehlo.convert"),
+                        compiled_instructions(lowered.compile().as_text()), host_callbacks(text))
 
     folder = tempfile.mkdtemp()
 
-    def variant(name, program, every=None, choose=None):
+    def variant(name, every=None, mode="wrap", attribution=True):
         state = {"p": params, "s": opt_state, "i": 0}
-        monitor = abj.Monitor(os.path.join(folder, f"{len(name)}-{every}.jsonl"), amp, x0, every=every) \
-            if every else None
+        monitor = abj.Monitor(os.path.join(folder, f"{name}.jsonl"), amp, x0, every=every) if every else None
+        if monitor is None:
+            call = plain
+        elif mode == "wrap":
+            call = monitor.wrap(functools.partial(step, attribution=attribution))
+        else:
+            cond = functools.partial(step, sample=True, every=every, attribution=attribution)
+
+            def call(p, s, x, y):
+                out = cond(p, s, x, y)
+                monitor.record(state["i"], out[2])
+                return out
 
         def run(n):
             for _ in range(n):
                 i = state["i"]
-                exe = compiled[choose(monitor, i)] if choose else compiled[program]
-                state["p"], state["s"], stats = exe(state["p"], state["s"], *data[i % len(data)])
-                if monitor is not None:
-                    monitor.record(i, stats)
+                state["p"], state["s"], _ = call(state["p"], state["s"], *data[i % len(data)])
                 state["i"] = i + 1
             jax.block_until_ready(state["p"])
-            if monitor is not None:
-                monitor.flush()
 
-        return run, state
-
-    def two_programs(monitor, i):
-        return "numerics every=1" if monitor.due(i) else "numerics every=None (flags only)"
-
-    def two_programs_outputs(monitor, i):
-        return ("numerics every=1, attribution='outputs'" if monitor.due(i)
-                else "numerics every=None, attribution='outputs'")
-
-    def two_programs_bare(monitor, i):
-        return "numerics every=1, no attribution" if monitor.due(i) else "numerics every=None, no attribution"
+        return run, state, monitor
 
     variants = {
-        "no monitor": variant("plain", "plain"),
-        "every=1": variant("every=1", "numerics every=1", every=1),
-        "every=100 (cond)": variant("every=100 (cond)", "numerics every=100 (cond)", every=100),
-        "every=100 (2 programs)": variant("every=100 (2 programs)", None, every=100, choose=two_programs),
-        "every=100 (2 programs), 'outputs'": variant("every=100 (2 programs) outputs", None, every=100,
-                                                     choose=two_programs_outputs),
-        "every=100 (2 programs), no attribution": variant("every=100 (2 programs) bare", None, every=100,
-                                                          choose=two_programs_bare),
-        "flags only, no monitor": variant("flags", "numerics every=None (flags only)"),
+        "no monitor": variant("plain"),
+        "no monitor again (control)": variant("plain, control"),
+        "every=100 (wrap)": variant("wrap", every=100),
+        "every=100 (wrap), 'outputs'": variant("wrap-outputs", every=100, attribution="outputs"),
+        "every=100 (cond)": variant("cond", every=100, mode="cond"),
+        "every=1 (wrap)": variant("every1", every=1),
     }
-    for run, _ in variants.values():
-        run(5)  # warm up
+    if args.only:
+        wanted = {"no monitor", *(name.strip() for name in args.only.split(","))}
+        unknown = wanted - set(variants)
+        if unknown:
+            parser.error(f"--only: unknown variant(s) {sorted(unknown)}; accepted: {list(variants)}")
+        variants = {name: v for name, v in variants.items() if name in wanted}
+    for run, _, _ in variants.values():
+        run(5)  # warm up: both programs compiled (steps 0-4: 0 sampled)
+
+    # exact counts per unsampled step: steps 1-99 (step 0 sampled) with and without the monitor
+    run_plain, _, _ = variant("count: no monitor")
+    run_wrap, _, counting_monitor = variant("count: every=100 (wrap)", every=100)
+    run_plain(1)
+    run_wrap(1)
+    with device_reads() as reads_plain:
+        run_plain(99)
+    with device_reads() as reads_wrap:
+        run_wrap(99)
+    counting_monitor.close()
+    # both blocks end with one block_until_ready of the parameters (the loop's own)
+
     names = list(variants)
     times = collections.defaultdict(list)
     cpu = collections.defaultdict(list)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
@@ -163,9 +191,16 @@ def main() -> None:
             variants[name][0](args.steps)
             times[name].append((time.perf_counter() - t0) / args.steps)
             cpu[name].append((time.process_time() - c0) / args.steps)
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    for _, _, monitor in variants.values():
+        if monitor is not None:
+            monitor.close()
     ratios = {name: [t / b for t, b in zip(times[name], times["no monitor"])] for name in names}
     cpu_ratios = {name: [t / b for t, b in zip(cpu[name], cpu["no monitor"])] for name in names}
+
     def same_as_plain(name):
+        if name not in variants:
+            return "not run"
         return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
             jax.tree_util.tree_leaves(variants["no monitor"][1]["p"]), jax.tree_util.tree_leaves(variants[name][1]["p"])))
 
@@ -173,24 +208,28 @@ def main() -> None:
     print(f"model: conformance transformer dim={config.dim} hidden={config.hidden} seq={config.seq} "
           f"batch={config.batch} ({n_params} params, {len(jax.tree_util.tree_leaves(params))} arrays), "
           "float16 compute, dynamic loss scale, adam")
-    print(f"device: {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
-    same_inputs, same_outputs = same_as_plain("every=1"), same_as_plain("every=100 (2 programs), 'outputs'")
-    print(f"parameters bit-identical to the run without a monitor, after {variants['no monitor'][1]['i']} "
-          f"steps: attribution 'inputs' {same_inputs}, 'outputs' {same_outputs}")
+    print(f"device: {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
+          f"load average {load:.1f} before the timed rounds, {load_after:.1f} after ({os.cpu_count()} cores)")
+    outputs = "every=100 (wrap), 'outputs'"
+    print(f"parameters bit-identical to the run without a monitor ({variants['no monitor'][1]['i']} steps): "
+          f"{outputs} {same_as_plain(outputs)}")
     print()
-    table = [("compiled step", "lowered ops", "optimised HLO", "host callbacks")]
-    for name, (ops, inst, cb) in counts.items():
-        table.append((name, f"{ops} ({ops / counts['plain'][0]:.2f}x)", f"{inst} ({inst / counts['plain'][1]:.2f}x)",
-                      str(cb)))
+    base = counts["no monitor (abj.value_and_grad)"]
+    table = [("compiled step", "lowered ops", "converts", "optimised HLO", "host callbacks")]
+    for name, (ops, converts, inst, cb) in counts.items():
+        table.append((name, f"{ops} ({ops / base[0]:.2f}x)", str(converts), f"{inst} ({inst / base[2]:.2f}x)", str(cb)))
     show(table)
+    equal = counts["unsampled step (sample=False)"] == base
+    print(f"unsampled step = no monitor, every count: {equal}")
+    print(f"per 99 unsampled steps (then one wait): no monitor {reads_plain}; every=100 (wrap) {reads_wrap}")
     print()
-    table = [("train loop", "ms/step (median)", "wall ratio (median)", "interquartile", "rounds", "CPU-time ratio (median)")]
+    table = [("train loop", "ms/step (median)", "wall ratio: median (IQR, rounds)", "CPU-time ratio (median)")]
     for name in names:
-        q1, q3 = np.percentile(ratios[name], [25, 75])
-        table.append((name, f"{statistics.median(times[name]) * 1e3:.3f}", f"{statistics.median(ratios[name]):.3f}",
-                      f"{q1:.3f}-{q3:.3f}", str(len(ratios[name])), f"{statistics.median(cpu_ratios[name]):.3f}"))
+        table.append((name, f"{statistics.median(times[name]) * 1e3:.3f}", spread(ratios[name]),
+                      f"{statistics.median(cpu_ratios[name]):.3f}"))
     show(table)
-    print(f"\n{args.rounds} interleaved rounds of {args.steps} steps each")
+    print(f"\n{args.rounds} interleaved rounds of {args.steps} steps each (every round of the every=100 variants "
+          "holds one sampled step)")
 
 
 def show(rows) -> None:

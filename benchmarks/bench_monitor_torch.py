@@ -4,11 +4,13 @@ Four copies of one transformer-ish model (embedding, pre-norm attention + MLP bl
 compute, norms and embedding pinned, dynamic loss scaling) train on the same batches: one without a
 monitor, one with ``amp.monitor(path, every=100)``, one with ``every=1``, one with ``every=100,
 attribution=False``. Rounds run the four in rotating order so machine load hits all of them; the
-table shows median step times, the median of per-round ratios against no monitor, and exact counts
-per step (host syncs = ``aten._local_scalar_dense``, the monitor's device-to-host transfers, aten
-ops) on an unsampled and on a sampled step. Two optimizers: a for-loop SGD (the scaler reads
-found_inf, one sync per step as in torch) and a fused AdamW (no sync: unsampled steps wait on the
-device and are read with the next sampled one).
+table shows median step times, the median of per-round ratios against no monitor with its
+interquartile range and round count, and exact counts per step (host syncs =
+``aten._local_scalar_dense``, casts = ``aten._to_copy``, the monitor's device-to-host transfers,
+aten ops) on an unsampled and on a sampled step. Two optimizers: a for-loop SGD (the scaler reads
+found_inf, one sync per step as in torch: an unsampled step runs no probe, a non-finite one is
+replayed) and a fused AdamW (no sync: the host never learns found_inf, so the probes stay on and
+unsampled steps wait on the device, read with the next sampled one).
 
 Usage: python benchmarks/bench_monitor_torch.py [--rounds N] [--quick] [--threads N]
 """
@@ -114,11 +116,11 @@ def run(optimizer, rounds, folder):
         transfers.clear()
         with Count() as c:
             step(amp, opt, *batches[0])
-        return c.ops["_local_scalar_dense"], len(transfers), sum(c.ops.values())
+        return c.ops["_local_scalar_dense"], c.ops["_to_copy"], len(transfers), sum(c.ops.values())
 
     counts = {}
     try:
-        for i in range(3):  # warm-up past step 0 (sampled, and the first forward records the order)
+        for i in range(3):  # warm-up past step 0 (sampled and probed: the monitor learns its case)
             for name, (amp, opt, _) in sides.items():
                 step(amp, opt, *batches[i % len(batches)])
         for name, (_, _, monitor) in sides.items():
@@ -165,18 +167,18 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rotating rounds per variant; "
           f"float16 compute, norms+embedding pinned, dynamic loss scale, 2 blocks d=64, batch 4x16")
     header = (f"{'optimizer':12s} {'variant':27s} {'ms/step':>8s} {'paired':>7s} {'paired IQR':>11s} {'n':>4s} {'cpu':>6s} "
-              f"{'unsampled: syncs/transfers/ops':>31s} {'sampled: syncs/transfers/ops':>29s}")
+              f"{'unsampled: syncs/casts/transfers/ops':>37s} {'sampled: syncs/casts/transfers/ops':>35s}")
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as folder:
         for optimizer in ("SGD", "fused AdamW"):
             for name, ms, paired, cpu, counts in run(optimizer, rounds, folder):
-                (s0, t0, o0), (s1, t1, o1) = counts
-                print(f"{optimizer:12s} {name:27s} {ms:8.2f} {paired[0]:7.3f} {f'{paired[1]:.3f}-{paired[2]:.3f}':>11s} {paired[3]:4d} {cpu:6.3f} {f'{s0}/{t0}/{o0}':>31s} "
-                      f"{f'{s1}/{t1}/{o1}':>29s}")
+                unsampled, sampled = ("/".join(map(str, c)) for c in counts)
+                print(f"{optimizer:12s} {name:27s} {ms:8.2f} {paired[0]:7.3f} {f'{paired[1]:.3f}-{paired[2]:.3f}':>11s} "
+                      f"{paired[3]:4d} {cpu:6.3f} {unsampled:>37s} {sampled:>35s}")
     print("paired: median of per-round wall-time ratios to no monitor (IQR: their interquartile range, n rounds); cpu: ratio of median process CPU times;\n"
           "counts are per step, exact (a transfer is one device-to-host copy of everything the step logs;\n"
-          "syncs are .item()/bool() reads). A sampled step costs the same for every N: every=N costs about\n"
+          "syncs are .item()/bool() reads, casts aten._to_copy). A sampled step costs the same for every N: every=N costs about\n"
           "the unsampled step + (sampled - unsampled) / N.")
 
 

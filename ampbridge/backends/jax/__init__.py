@@ -33,7 +33,8 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
 
 Rooms: ``environment`` (dtypes, device, the policy that runs), ``layers`` (kinds, rows),
 ``cast`` (pytrees), ``watch`` (the probes of :func:`numerics`), ``linen`` and ``nnx`` (each
-flavour's interception and Plan), ``apply``, ``plan``, ``loss_scale``, ``monitor``, ``schedule``.
+flavour's interception and Plan), ``apply``, ``plan``, ``loss_scale``, ``sampling`` (what
+``Monitor.wrap`` keeps between samples), ``monitor``, ``schedule``.
 Flax and optax are imported on first use.
 
 Example:
@@ -55,7 +56,7 @@ from ..common import doctests, import_framework
 import_framework("jax", "jax")
 
 # the rooms, in layers: environment -> layers -> cast -> watch -> linen -> nnx -> apply -> plan
-# -> loss_scale -> monitor -> schedule (the room modules apply, cast, plan and loss_scale are
+# -> loss_scale -> sampling -> monitor -> schedule (the room modules apply, cast, plan and loss_scale are
 # shadowed here by the functions of those names: reach them as
 # ``from ampbridge.backends.jax.loss_scale import ...``)
 from .apply import Applied, apply, owns  # noqa: E402

@@ -1,7 +1,7 @@
 """Loss scaling as an optax transformation: the core's reference algorithm in float32/int32
 ``jnp`` (jit- and scan-safe, no host sync), and the helpers that find its state in any optax state.
 
-Holds: LossScaleState, AmpState, optimizer, loss_scale, scale_loss, unscale, check,
+Holds: COUNTERS, LossScaleState, AmpState, optimizer, loss_scale, scale_loss, unscale, check,
 next_loss_scale, initial_loss_scale, reset_loss_scale, enter_phase, value_and_grad, skipped, rollback,
 _advance, _mul_exact.
 """
@@ -26,33 +26,86 @@ from ..private_hooks import tested_range
 from .environment import _optax, _phase_policy, resolve_policy
 
 
-class LossScaleState(NamedTuple):
-    """The loss-scale state as JAX arrays: every field a leaf, so jit, tree_map, ``lax.scan`` and
-    checkpoints (orbax, flax.serialization) keep all of it.
+#: the int32 counters of :class:`LossScaleState`, in the order they sit in ``counters``
+COUNTERS = ("good_steps", "hysteresis_left", "steps", "skipped", "min_scale_hits")
 
-    The first five fields are the reference algorithm's (``ampbridge.LossScaleState``);
-    ``min_scale_hits`` counts overflows at ``min_scale`` (the event ``on_min_scale`` acts on,
-    read on the host by :func:`check`).
+
+class LossScaleState(NamedTuple):
+    """The loss-scale state as two JAX arrays: ``scale`` (float32) and ``counters`` (int32, last axis
+    :data:`COUNTERS`), so jit, tree_map, ``lax.scan`` and checkpoints (orbax, flax.serialization)
+    keep all of it, and a jitted step passes two buffers, as jmp's ``DynamicLossScale`` does (each
+    buffer costs host dispatch on every call).
+
+    The fields read by name: ``scale``, ``good_steps``, ``hysteresis_left``, ``steps``, ``skipped``
+    (the reference algorithm's ``ampbridge.LossScaleState``) and ``min_scale_hits`` (overflows at
+    ``min_scale``, the event ``on_min_scale`` acts on, read on the host by :func:`check`); stacked
+    states (``lax.scan`` outputs) read the same way. Build one with :meth:`from_fields`, change
+    fields with :meth:`replace`.
+
+    Example:
+        >>> s = LossScaleState.from_fields(8.0, good_steps=3, hysteresis_left=1)
+        >>> float(s.scale), int(s.good_steps), s.counters.shape, int(s.replace(steps=4).steps)
+        (8.0, 3, (5,), 4)
     """
 
     scale: jax.Array  # float32
-    good_steps: jax.Array  # int32
-    hysteresis_left: jax.Array  # int32
-    steps: jax.Array  # int32
-    skipped: jax.Array  # int32
-    min_scale_hits: jax.Array  # int32
+    counters: jax.Array  # int32[..., 5], COUNTERS
+
+    COUNTERS = COUNTERS  # the names of the counters, in order (a class attribute, not a field)
+
+    @property
+    def good_steps(self) -> jax.Array:
+        return self.counters[..., 0]
+
+    @property
+    def hysteresis_left(self) -> jax.Array:
+        return self.counters[..., 1]
+
+    @property
+    def steps(self) -> jax.Array:
+        return self.counters[..., 2]
+
+    @property
+    def skipped(self) -> jax.Array:
+        return self.counters[..., 3]
+
+    @property
+    def min_scale_hits(self) -> jax.Array:
+        return self.counters[..., 4]
+
+    @classmethod
+    def from_fields(cls, scale: Any, good_steps: Any = 0, hysteresis_left: Any = 1, steps: Any = 0,
+                    skipped: Any = 0, min_scale_hits: Any = 0) -> "LossScaleState":
+        """The state from its six fields (arrays or numbers; equal shapes)."""
+        counters = (good_steps, hysteresis_left, steps, skipped, min_scale_hits)
+        if all(isinstance(c, (int, np.integer, np.ndarray)) for c in counters):  # host values: one transfer
+            return cls(jnp.asarray(scale, jnp.float32), jnp.asarray(np.stack(
+                [np.asarray(c, np.int32) for c in counters], axis=-1)))
+        return cls(jnp.asarray(scale, jnp.float32),
+                   jnp.stack([jnp.asarray(c, jnp.int32) for c in counters], axis=-1))
+
+    def replace(self, **fields: Any) -> "LossScaleState":
+        """The state with the named fields (any of ``scale`` and :data:`COUNTERS`) replaced."""
+        unknown = sorted(set(fields) - {"scale", *COUNTERS})
+        if unknown:
+            raise TypeError(f"LossScaleState.replace: unknown field(s) {', '.join(unknown)}; accepted: "
+                            f"scale, {', '.join(COUNTERS)}")
+        scale = fields.get("scale", self.scale)
+        if not set(fields) & set(COUNTERS):
+            return LossScaleState(scale, self.counters)
+        return LossScaleState.from_fields(scale, *(fields[n] if n in fields else getattr(self, n)
+                                                   for n in COUNTERS))
 
     def to_reference(self) -> ReferenceState:
-        """The core's ``LossScaleState`` (host values; this reads the device)."""
-        return ReferenceState(scale=float(self.scale), good_steps=int(self.good_steps),
-                              hysteresis_left=int(self.hysteresis_left), steps=int(self.steps),
-                              skipped=int(self.skipped))
+        """The core's ``LossScaleState`` (host values; this reads the device once)."""
+        good, hyst, steps, skipped, _ = (int(c) for c in np.asarray(self.counters))
+        return ReferenceState(scale=float(self.scale), good_steps=good, hysteresis_left=hyst, steps=steps,
+                              skipped=skipped)
 
     @classmethod
     def from_reference(cls, state: ReferenceState, min_scale_hits: int = 0) -> "LossScaleState":
-        return cls(jnp.asarray(state.scale, jnp.float32), jnp.asarray(state.good_steps, jnp.int32),
-                   jnp.asarray(state.hysteresis_left, jnp.int32), jnp.asarray(state.steps, jnp.int32),
-                   jnp.asarray(state.skipped, jnp.int32), jnp.asarray(min_scale_hits, jnp.int32))
+        return cls.from_fields(state.scale, state.good_steps, state.hysteresis_left, state.steps,
+                               state.skipped, min_scale_hits)
 
 
 class AmpState(NamedTuple):
@@ -119,7 +172,8 @@ def _mul_exact(x: jax.Array, factor: float) -> jax.Array:
     return jax.lax.bitcast_convert_type(out.astype(i32), f32)
 
 
-def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array) -> tuple[LossScaleState, jax.Array]:
+def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array,
+             finite: jax.Array | None = None) -> tuple[LossScaleState, jax.Array]:
     """One step of the reference algorithm in float32/int32 ``jnp``; returns (state, halted).
 
     ``halted`` is True when ``on_min_scale = "error"`` stops the run: the reference raises before
@@ -127,11 +181,13 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array) -> t
     """
     i32, f32 = jnp.int32, np.float32
     found_inf = jnp.asarray(found_inf, bool)
-    steps = s.steps + 1
-    skipped = s.skipped + found_inf.astype(i32) if cfg.skip_nonfinite else s.skipped
-    if cfg.mode != "dynamic":
-        return s._replace(steps=steps, skipped=skipped), jnp.zeros((), bool)
-    scale, good, hyst = s.scale, s.good_steps, s.hysteresis_left
+    if finite is None:
+        finite = ~found_inf
+    counters = s.counters
+    skips = found_inf.astype(i32) if cfg.skip_nonfinite else jnp.zeros_like(found_inf, i32)
+    if cfg.mode != "dynamic":  # steps and skipped count, nothing else moves
+        return LossScaleState(s.scale, counters + _pack(0, 0, 1, skips, 0, like=skips)), jnp.zeros((), bool)
+    scale, good, hyst = s.scale, counters[..., 0], counters[..., 1]
     # Plain float32 products are exact while the scale stays normal, which a normal min_scale
     # guarantees (a flushed backoff product loses to the floor either way); otherwise go exact.
     floor_is_normal = cfg.min_scale is not None and np.float32(cfg.min_scale) >= np.finfo(np.float32).tiny
@@ -157,25 +213,41 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array) -> t
         event = backoff & (as_int(scale) == floor_bits)
         backed = as_f32(jnp.maximum(as_int(backed), floor_bits))
     good_next = good + 1
-    grow = ~found_inf & (good_next == cfg.growth_interval)
+    grow = finite & (good_next == cfg.growth_interval)
     grown = mul(cfg.growth_factor)
     grown_ok = grow & jnp.isfinite(grown)  # isfinite reads the exponent: flushing cannot change it
     if cfg.max_scale is not None and np.float32(cfg.max_scale) >= np.finfo(np.float32).tiny:
         grown = jnp.minimum(grown, f32(cfg.max_scale))
     elif cfg.max_scale is not None:
         grown = as_f32(jnp.minimum(as_int(grown), _f32_bits(cfg.max_scale)))
-    new_scale = jnp.where(backoff, backed, jnp.where(grown_ok, grown, scale))
-    new_good = jnp.where(found_inf | grow, jnp.zeros((), i32), good_next)
-    full = jnp.asarray(cfg.hysteresis, i32)
-    hyst_finite = full if cfg.consecutive_hysteresis else jnp.where(grow, full, hyst)
-    new_hyst = jnp.where(found_inf, jnp.where(exhausted, hyst, hyst - 1), hyst_finite)
-    hits = s.min_scale_hits + event.astype(i32)
-    new = LossScaleState(new_scale, new_good, new_hyst, steps, skipped, hits)
+    new_scale = _select(backoff, backed, _select(grown_ok, grown, scale))
+    new_good = _select(found_inf | grow, jnp.zeros_like(good_next), good_next)
+    full = jnp.full_like(hyst, cfg.hysteresis)
+    hyst_finite = full if cfg.consecutive_hysteresis else _select(grow, full, hyst)
+    new_hyst = _select(found_inf, _select(exhausted, hyst, hyst - 1), hyst_finite)
+    # steps, skipped and min_scale_hits count up: one add on the last three counters
+    tail = counters[..., 2:] + _pack(1, skips, event.astype(i32), like=skips)
+    new = LossScaleState(new_scale, jnp.concatenate([new_good[..., None], new_hyst[..., None], tail], axis=-1))
     if cfg.on_min_scale != "error" or cfg.min_scale is None:
         return new, jnp.zeros((), bool)
-    halted = (s.min_scale_hits > 0) | event
-    frozen = s._replace(min_scale_hits=jnp.maximum(s.min_scale_hits, 1))
+    hits = counters[..., 4]
+    halted = (hits > 0) | event
+    frozen = s.replace(min_scale_hits=jnp.maximum(hits, 1))
     return jax.tree_util.tree_map(lambda a, b: jnp.where(halted, a, b), frozen, new), halted
+
+
+def _pack(*counters: Any, like: jax.Array) -> jax.Array:
+    """Counters (int32 arrays shaped like ``like``, or numbers) stacked on a new last axis."""
+    return jnp.stack([c if isinstance(c, jax.Array) else jnp.full_like(like, c) for c in counters], axis=-1)
+
+
+def _select(pred: jax.Array, on_true: jax.Array, on_false: jax.Array) -> jax.Array:
+    """``jnp.where`` as one ``select`` (no wrapper function in the lowered program) where the
+    operands already agree in shape and dtype, which the step's own values do."""
+    if (jnp.shape(on_true) == jnp.shape(on_false) and jnp.shape(pred) in ((), jnp.shape(on_true))
+            and jnp.result_type(on_true) == jnp.result_type(on_false)):
+        return jax.lax.select(pred, on_true, on_false)
+    return jnp.where(pred, on_true, on_false)
 
 
 def next_loss_scale(config: Policy | LossScaleConfig | str, state: LossScaleState,
@@ -202,10 +274,14 @@ def initial_loss_scale(config: Policy | LossScaleConfig | str) -> LossScaleState
 
 
 def _all_finite(tree: Any) -> jax.Array:
+    """Whether every floating leaf is finite: one boolean, carried through the leaves' reductions
+    (each AND-reduction starts from the previous result, ``x & x == x``), so the step's consumers
+    read one flag rather than one per leaf."""
     finite = jnp.ones((), bool)
     for leaf in jax.tree_util.tree_leaves(tree):
         if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            finite = finite & jnp.all(jnp.isfinite(leaf))
+            flags = jnp.isfinite(leaf)
+            finite = jax.lax.reduce(flags, finite, jax.lax.bitwise_and, tuple(range(flags.ndim)))
     return finite
 
 
@@ -295,7 +371,7 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
         finite = _all_finite(grads) if checks_finite else jnp.ones((), bool)
         if axis_name is not None and checks_finite:  # data parallel: every device skips together
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-        new_ls, halted = _advance(cfg, ls, ~finite)
+        new_ls, halted = _advance(cfg, ls, ~finite, finite)
         if report is not None:
             event = new_ls.min_scale_hits > ls.min_scale_hits
             jax.debug.callback(report, event, ls.steps)
@@ -319,9 +395,18 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
 
 def _keep_or_skip(take: jax.Array, updates: Any, inner_state: Any, old_inner_state: Any) -> tuple[Any, Any]:
     """The inner transformation's updates and state where ``take``, else no update and the old state."""
-    # -0.0, not 0.0: p + -0.0 == p bit for bit for every p (p + 0.0 turns -0.0 into +0.0)
-    updates = jax.tree_util.tree_map(lambda u: jnp.where(take, u, jnp.full_like(u, -0.0)), updates)
-    return updates, _optax().tree_utils.tree_where(take, inner_state, old_inner_state)
+    # -0.0, not 0.0: p + -0.0 == p bit for bit for every p (p + 0.0 turns -0.0 into +0.0); one
+    # array of -0.0 per shape and dtype
+    negative_zeros: dict = {}
+
+    def keep(u: Any) -> Any:
+        key = (jnp.shape(u), jnp.result_type(u))
+        if key not in negative_zeros:
+            negative_zeros[key] = jnp.full_like(u, -0.0)
+        return _select(take, u, negative_zeros[key])
+
+    updates = jax.tree_util.tree_map(keep, updates)
+    return updates, jax.tree_util.tree_map(lambda a, b: _select(take, a, b), inner_state, old_inner_state)
 
 
 def _verify_first_update(finite: jax.Array, before: LossScaleState, after: LossScaleState, proposed: Any,
@@ -437,7 +522,7 @@ def reset_loss_scale(opt_state: Any, policy: Policy | LossScaleConfig | str) -> 
     def swap(x: Any) -> Any:
         if isinstance(x, AmpState):
             ls = x.loss_scale
-            return x._replace(loss_scale=fresh._replace(steps=ls.steps, skipped=ls.skipped))
+            return x._replace(loss_scale=fresh.replace(steps=ls.steps, skipped=ls.skipped))
         return x
 
     return jax.tree_util.tree_map(swap, opt_state, is_leaf=lambda x: isinstance(x, AmpState))

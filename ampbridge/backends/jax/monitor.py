@@ -1,8 +1,9 @@
 """Numerics diagnostics: per-layer gradient statistics and overflow attribution computed inside the
 jitted step (:func:`numerics`), and the :class:`Monitor` that writes them to the shared run log.
 
-Holds: Numerics, numerics, Monitor, _layer_statistics, _leaf_statistics, _underflow_limit_bits,
-_attribute, _owned_leaves, _leaves_of.
+Holds: Numerics, numerics, Monitor (and Monitor.wrap: the step without a monitor between samples,
+skipped steps replayed), _layer_statistics, _leaf_statistics, _underflow_limit_bits, _attribute,
+_owned_leaves, _leaves_of, _numerics_in (the window kept between samples: sampling.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from ...core.plan import Plan
 from .apply import Applied
 from .environment import FRAMEWORK
 from .layers import _key_name
-from .loss_scale import _F32_INF_BITS, _advance, _all_finite, _f32_bits, _unscale_leaf, loss_scale, scale_loss
+from .loss_scale import (_F32_INF_BITS, _advance, _all_finite, _f32_bits, _unscale_leaf, loss_scale, scale_loss,
+                         value_and_grad)
 from .nnx import _nnx_key, _nnx_path
+from .sampling import _restore, _scale_state, _snapshot, _Window
 from .watch import _WATCH, _Watch
 
 if TYPE_CHECKING:
@@ -237,8 +240,8 @@ def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index:
 
 
 def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
-             every: int | None = 1, attribution: bool | str = True
-             ) -> Callable[..., tuple[Any, Any, Numerics]]:
+             every: int | None = 1, attribution: bool | str = True, sample: bool = True
+             ) -> Callable[..., tuple[Any, Any, Numerics | None]]:
     """``jax.value_and_grad`` for a loss-scaled step, plus the step's numerics, all on the device.
 
     ``numerics(amp, loss_fn, opt_state)(params, *args)`` returns ``(loss, grads, stats)``:
@@ -270,6 +273,11 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
     it names the leaf after the last one whose output gradient went non-finite (exact in a
     chain; in a fan-out, e.g. query/key/value, it may name a sibling). ``False``: no flags;
     a non-finite step is then attributed by the parameter gradients alone.
+
+    ``sample=False`` (a static Python bool) adds nothing: it is :func:`value_and_grad` exactly, and
+    ``stats`` is None, so a step written once with ``sample`` as a static argument compiles to the
+    program without a monitor on unsampled steps and to the statistics program on sampled ones
+    (what :meth:`Monitor.wrap` drives).
 
     Nothing syncs with the host and no callback is added; read ``stats`` with a :class:`Monitor`.
     With attribution the model is traced once more (abstractly) to learn its leaf modules.
@@ -309,6 +317,12 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
     if attribution not in (True, False, None, "inputs", "outputs"):
         raise ValueError(f"ampbridge.jax.numerics: attribution={attribution!r}; accepted: True (= 'inputs'), "
                          "'outputs', False")
+    if not isinstance(sample, bool):
+        raise ValueError(f"ampbridge.jax.numerics: sample={sample!r}; accepted: True or False (a static "
+                         "Python bool: False is the step without a monitor)")
+    if not sample:  # the program without a monitor, op for op
+        plain = value_and_grad(loss_fn, opt_state, has_aux=has_aux)
+        return lambda *args: (*plain(*args), None)
     watching = bool(attribution)
     watch_inputs = attribution in (True, "inputs")
     cfg = policy.resolved_loss_scale
@@ -414,6 +428,12 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
     return run
 
 
+def _numerics_in(out: Any) -> Numerics | None:
+    found = [x for x in jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, Numerics))
+             if isinstance(x, Numerics)]
+    return found[0] if found else None
+
+
 def _arrived(arrays: Sequence[Any]) -> bool:
     return all(a.is_ready() for a in arrays if hasattr(a, "is_ready"))
 
@@ -485,6 +505,9 @@ class Monitor:
         self._writer: RunLogWriter | None = None
         self._pending: list[tuple[int | None, list, Numerics]] = []
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps written or passed, the first and last (the closing record)
+        self._calls = 0  # steps run through wrap(): the host's own counter
+        self._window: _Window | None = None  # the unsampled steps since the last sampled one
+        self._closing: _Window | None = None  # the window before it: its counters on their way to the host
 
     def _open(self, order: Sequence[str] = ()) -> Any:
         """Write the header: the Plan's paths in forward order (the order the step called them)."""
@@ -515,16 +538,26 @@ class Monitor:
                 leaf.copy_to_host_async()
         self._pending.append((step, wanted, stats))
         # write what has arrived; wait only when more than max_lag steps are still on their way
-        while self._pending and (len(self._pending) > self.max_lag or _arrived(self._pending[0][1])):
+        while self._pending and self._in_order(self._pending[0][0]) and (
+                len(self._pending) > self.max_lag or _arrived(self._pending[0][1])):
             self._write(*self._pending.pop(0))
 
-    def _write(self, step: int | None, _: Any, stats: Numerics) -> None:
+    def _in_order(self, step: int | None) -> bool:
+        """Whether ``step`` may be written now: not while earlier steps' replays are still to come."""
+        return self._closing is None or step is None or step < self._closing.first
+
+    def _count(self, step: int) -> None:
+        seen, first, last = self._seen
+        self._seen = (seen + 1, step if not seen else min(first, step), step if not seen else max(last, step))
+
+    def _write(self, step: int | None, _: Any, stats: Numerics, counted: bool = False) -> None:
         writer = self._open(stats.order)
         if step is None:
             step = int(stats.step)
-        self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
+        if not counted:
+            self._count(step)
         found_inf = bool(stats.found_inf)
-        due = self.due(step)
+        due = self.due(step) or counted  # a replayed step: its statistics are why it was run
         if not (due or found_inf):
             return
         host = jax.device_get(stats)  # one transfer of the small arrays (already on their way)
@@ -535,9 +568,159 @@ class Monitor:
                           first_nonfinite=host.first_nonfinite() if found_inf else None)
 
     def flush(self) -> None:
-        """Write every queued step."""
+        """Write every queued step (with :meth:`wrap`: also the unsampled steps since the last sampled
+        one that were skipped, replayed; this reads their loss-scale counters)."""
+        if self._closing is not None:
+            closing, self._closing = self._closing, None
+            self._settle(closing)
+        if self._window is not None:
+            self._window = self._settle(self._window)
         while self._pending:
             self._write(*self._pending.pop(0))
+
+    def wrap(self, step: Callable[..., Any], *, carry: int = 2, start: int = 0) -> Callable[..., Any]:
+        """The train step, run with statistics on sampled steps and as the step without a monitor
+        on the others, chosen on the host by its own step counter (no device read).
+
+        ``step(*args, sample=...)`` is your jitted step with ``sample`` a static argument passed
+        to :func:`numerics` (``sample=False``: no numerics at all, the program without a monitor).
+        ``monitor.wrap(step)(*args)`` calls it with ``sample=self.due(n)`` for the n-th call
+        (from ``start``: give a resumed run its step, ``int(loss_scale(opt_state).steps)``) and logs a sampled step's :class:`Numerics` (found in its outputs).
+        Linen: the step's first ``carry`` outputs are its next call's first ``carry`` arguments
+        (``params, opt_state``); NNX: the model and optimizer arguments (changed in place).
+
+        An unsampled step reads nothing from the device: the monitor keeps references to its
+        inputs and its loss-scale state. At the next sampled step it sends the loss-scale counters
+        of the steps since the last sampled one to the host (no wait) and reads them at the
+        sampled step after (or ``flush``/``close``), one read when none was skipped; a skipped
+        step left parameters and optimizer state as they were, so it is replayed from the state
+        after the sampled step before it, on the same inputs (PRNG keys included), with the
+        statistics program: its per-layer statistics and attribution are logged at its own step,
+        in step order. The price: the states after the last two sampled steps and up to
+        ``2 * every`` steps' inputs stay alive, a skip is logged up to ``2 * every`` steps late,
+        and a window with a skip is run again (up to ``every`` steps). Donated arguments cannot be
+        kept: do not donate the ``carry``.
+
+        Example:
+            >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, optax, tempfile, os, ampbridge
+            >>> policy = ampbridge.preset("mixed_float16")
+            >>> amp = apply(nn.Dense(1), policy)
+            >>> x = jnp.ones((2, 3))
+            >>> params = amp.init(jax.random.key(0), x)["params"]
+            >>> tx = optimizer(optax.sgd(0.1), policy)
+            >>> opt_state = tx.init(params)
+            >>> @functools.partial(jax.jit, static_argnames="sample")
+            ... def step(params, opt_state, x, sample=False):
+            ...     loss, grads, stats = numerics(amp, lambda p: jnp.mean(amp.apply({"params": p}, x) ** 2),
+            ...                                   opt_state, sample=sample)(params)
+            ...     updates, opt_state = tx.update(grads, opt_state, params)
+            ...     return optax.apply_updates(params, updates), opt_state, stats
+            >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+            >>> with Monitor(path, amp, x, every=2) as monitor:
+            ...     train = monitor.wrap(step)
+            ...     for i in range(5):
+            ...         params, opt_state, stats = train(params, opt_state, x)
+            >>> [(s["step"], s["skipped"]) for s in ampbridge.diagnostics.runlog.read_log(path).steps]
+            [(0, True), (1, True), (2, False), (4, False)]
+        """
+        if not callable(step):
+            raise TypeError(f"Monitor.wrap needs the jitted train step; received {type(step).__name__}")
+        if not isinstance(carry, int) or isinstance(carry, bool) or carry < 0:
+            raise ValueError(f"Monitor.wrap: carry={carry!r}; accepted: an int >= 0 (the step's first outputs "
+                             "that are its next call's first arguments)")
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ValueError(f"Monitor.wrap: start={start!r}; accepted: an int >= 0 (the first call's step)")
+        self._calls = start
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            nnx = sys.modules.get("flax.nnx")
+            held = [k for k, a in enumerate(args) if nnx is not None and isinstance(a, nnx.Pytree)]
+            n = self._calls
+            self._calls += 1
+            sample = self.due(n)
+            if not held and len(args) < carry:
+                raise ValueError(f"Monitor.wrap: {len(args)} positional argument(s); with carry={carry} the "
+                                 f"first {carry} are the training state")
+            if self._window is None and not sample:  # a resumed run between samples: start from here
+                before = tuple(args[k] for k in held) if held else tuple(args[:carry])
+                self._window = _Window(step, carry, held, _snapshot(before, bool(held)), n,
+                                       *_scale_state(before), before)
+            out = step(*args, sample=sample, **kwargs)
+            if held:
+                state_now = tuple(args[k] for k in held)
+            else:
+                if not isinstance(out, (tuple, list)) or len(out) < carry:
+                    raise ValueError(f"Monitor.wrap: the step returned {type(out).__name__}; with carry={carry} "
+                                     f"its first {carry} outputs are the next call's first arguments")
+                state_now = tuple(out[:carry])
+            if sample:
+                stats = _numerics_in(out)
+                if stats is None:
+                    raise ValueError("Monitor.wrap: a sampled step returned no Numerics; pass sample to "
+                                     "ampbridge.jax.numerics(..., sample=sample) and return its stats")
+                # the window before the last one: its counters were sent one sample ago (no wait)
+                if self._closing is not None:
+                    closing, self._closing = self._closing, None
+                    self._settle(closing)
+                if self._window is not None and self._window.inputs:  # sent now, read next sample
+                    for leaf in jax.tree_util.tree_leaves((self._window.before, self._window.states[-1])):
+                        leaf.copy_to_host_async()
+                    self._closing = self._window
+                self.record(n, stats)
+                self._window = _Window(step, carry, held, _snapshot(state_now, bool(held)), n + 1,
+                                       *_scale_state(state_now), state_now)
+            else:
+                rest = tuple(a for k, a in enumerate(args) if k not in held) if held else args[carry:]
+                if kwargs:
+                    self._window.keywords[len(self._window.inputs)] = kwargs
+                self._window.inputs.append(rest)
+                self._window.states.append(_scale_state(state_now, self._window.scale_at)[0])
+                self._window.latest = state_now
+                self._count(n)
+            return out
+
+        return run
+
+    def _settle(self, window: "_Window") -> "_Window":
+        """Log the skipped steps of ``window``, replayed with statistics (reads its counters); the
+        window that starts after its last step."""
+        if not window.inputs:
+            return window
+        if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree_util.tree_leaves(
+                (window.start, window.before, window.states[:-1]))):
+            raise ValueError(f"Monitor.wrap: the state of steps {window.first - 1}-{window.first + len(window.inputs) - 2} "
+                             "was donated (donate_argnums), so skipped steps can be neither found nor replayed: "
+                             "do not donate the carried arguments of a wrapped step")
+        after = _Window(window.step, window.carry, window.held, _snapshot(window.latest, bool(window.held)),
+                        window.first + len(window.inputs), window.states[-1], window.scale_at, window.latest)
+        def counters(states: list) -> list[tuple[int, int]]:  # one read; the fields taken on the host
+            return [(int(s.skipped), int(s.steps)) for s in jax.device_get(states)]
+
+        start, end = counters([window.before, window.states[-1]])
+        if end[0] == start[0] and end[1] - start[1] == len(window.inputs):
+            return after  # no step skipped (each advanced the counter, none counted a skip)
+        counters = counters(window.states)
+        bad, previous = [], start
+        for k, now in enumerate(counters):
+            if now[0] != previous[0] or now[1] == previous[1]:
+                bad.append(k)
+            previous = now
+        while self._pending and (self._pending[0][0] is None or self._pending[0][0] < window.first):
+            self._write(*self._pending.pop(0))  # the sampled steps before this window come first
+        state = _restore(window.start, window.held)
+        for k in range(bad[-1] + 1):
+            if k in bad:
+                stats = _numerics_in(window.call(_restore(_snapshot(state, window.held), window.held), k, True))
+                if stats is None or not bool(stats.found_inf) or int(stats.step) != int(counters[k - 1][1] if k
+                                                                                        else start[1]):
+                    raise RuntimeError(f"Monitor: replaying skipped step {window.first + k} did not reproduce it "
+                                       "(finite, or another loss-scale step): the step is not deterministic "
+                                       "on its inputs, or a carried argument was donated")
+                self._write(window.first + k, None, stats, counted=True)
+            out = window.call(state, k, False)
+            if not window.held:
+                state = tuple(out[:window.carry])
+        return after
 
     def close(self) -> None:
         """Write every queued step, the closing record, and close the log."""

@@ -7,6 +7,7 @@ and the model-side slots (``_Slot``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -20,7 +21,7 @@ from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refr
 from .environment import _backend, _phase0
 from .layers import _children, layers
 from .loss_scale import LossScaleOptimizer, _model_of, _replicas
-from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec
+from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _host, _MonitorSpec
 from .plan import plan
 
 # --- the numerics monitor -----------------------------------------------------------------------
@@ -203,8 +204,14 @@ class Monitor:
             raise UnsupportedOptionError(
                 f"Monitor: steps_per_execution={model.steps_per_execution} runs several steps between callbacks, "
                 "so non-finite steps could not all be logged; compile with steps_per_execution=1")
-        if _replicas() > 1:
-            raise UnsupportedOptionError("Monitor: a distributed (multi-replica) run is not supported")
+        # fit runs a model built in a tf.distribute scope under that strategy even outside the scope
+        # (MonitorCallback starts there): its strategy counts too
+        strategy = getattr(model, "distribute_strategy", None) if _backend() == "tensorflow" else None
+        replicas = max(_replicas(), int(getattr(strategy, "num_replicas_in_sync", 1)))
+        if replicas > 1:
+            raise UnsupportedOptionError(
+                f"Monitor: a distributed (multi-replica) run is not supported ({replicas} replicas: each computes "
+                "the statistics and flags of its own shard, so the log would describe one replica)")
         self.path, self.model, self.optimizer = path, model, optimizer
         self.every, self.attribution = every, bool(attribution)
         self.layers: list[str] = []
@@ -214,6 +221,8 @@ class Monitor:
         self._positions: tuple[list[int], list[int]] | None = None
         self._next_step: int | None = None
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps read, the first and last step number (the closing record)
+        self._probed: list[tuple[Any, Any]] = []  # (call wrapper, its probe): switched off on unsampled fit steps
+        self._quiet = False  # True while an unsampled fit step runs (or traces): compute_loss records nothing
         self.attach()
 
     # --- attaching to the model and optimizer ---
@@ -241,7 +250,7 @@ class Monitor:
             @functools.wraps(inner)
             def compute_loss(*args: Any, **kwargs: Any) -> Any:
                 loss = inner(*args, **kwargs)
-                if loss is not None and _live([loss]):
+                if not self._quiet and loss is not None and _live([loss]):
                     self._slots["loss"].state.assign(ops.cast(ops.reshape(loss, ()), "float32"))
                     self._slots["loss_seen"].state.assign(np.float32(1.0))
                 return loss
@@ -270,6 +279,7 @@ class Monitor:
         self.layers = [row.path for row in rows if row.path]
         index = {path: i for i, path in enumerate(self.layers)}
         stats, leaf_of = [], {}
+        self._probed = []
         for row in rows:
             layer = by_path[row.path]
             leaf = row.path != "" and not _children(layer)
@@ -283,6 +293,7 @@ class Monitor:
                 probe = _RootProbe(self)
             if probe is not None:
                 _call_wrapper(layer).probe = probe
+                self._probed.append((_call_wrapper(layer), probe))
             else:
                 wrapper = layer.__dict__.get(_WRAPPER)
                 if wrapper is not None:
@@ -293,6 +304,29 @@ class Monitor:
         steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
         self.optimizer._attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
         _refresh_compiled(self.model)
+
+    @contextlib.contextmanager
+    def _unsampled(self) -> Any:
+        """While inside, the model and optimizer run (and trace) as if no monitor were attached: no
+        probes, no statistics, no loss slot (the monitor's variables stay, unused)."""
+        spec = self.optimizer._monitor
+        for wrapper, _ in self._probed:
+            wrapper.probe = None
+        self.optimizer._monitor = None  # private attribute of ampbridge's LossScaleOptimizer (not Keras)
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self._quiet = False
+            self.optimizer._monitor = spec
+            for wrapper, probe in self._probed:
+                wrapper.probe = probe
+
+    def _count(self, step: int) -> None:
+        """A step that was not read (an unsampled finite fit step): counted for the closing record."""
+        seen, first, _ = self._seen
+        self._seen = (seen + 1, first if seen else step, step)
+        self._next_step = step + 1
 
     def detach(self) -> None:
         """Stop monitoring: the model and optimizer run as before (the log stays open)."""
@@ -427,6 +461,146 @@ class Monitor:
                 "skipped": skipped, "first_nonfinite": first, "layers": stats_by_layer}
 
 
+class _FitDispatch:
+    """``model.train_function`` while a :class:`MonitorCallback` monitors ``fit``: two of Keras's own
+    train functions, made by Keras's ``make_train_function``, one traced without the monitor
+    (unsampled steps: the same graph / program / ops as no monitor) and one with it (sampled
+    steps). After an unsampled step the host reads one scalar, the optimizer's skipped-step
+    counter; when it moved, the step was non-finite and skipped (weights and optimizer variables
+    as they were), and it is replayed on the same batch with the statistics function, from the
+    loss-scale state the step started with (kept on the host by the reference algorithm), in a
+    sandbox: every variable (model, optimizer, metrics) is put back afterwards (on JAX the
+    replay runs on a copy of the state). Layers that draw random numbers (dropout) draw them
+    again from the seed generators' state after the step, so their masks differ from the
+    skipped step's.
+    """
+
+    def __init__(self, monitor: Monitor):
+        self.monitor = monitor
+        model = monitor.model
+        with monitor._unsampled():
+            self.plain = self._keras_train_function(model)
+        self.stats = self._keras_train_function(model)
+        self._own_at: list[int] | None = None  # JAX: the loss-scale state's places in the optimizer values
+        self.sync()
+        model.train_function = self
+
+    @staticmethod
+    def _keras_train_function(model: Any) -> Any:
+        """Keras's own ``make_train_function``, over a train step of its own: JAX caches traces by
+        the function jitted, and two jits of the same bound ``train_step`` would share one."""
+        own = model.__dict__.get("train_step")
+        object.__setattr__(model, "train_step", functools.partial(own or type(model).train_step,
+                                                                    *(() if own else (model,))))
+        try:
+            model.make_train_function(force=True)
+        finally:
+            if own is None:
+                del model.__dict__["train_step"]
+            else:
+                object.__setattr__(model, "train_step", own)
+        return model.train_function
+
+    def sync(self) -> None:
+        """Read the loss-scale state (at each ``fit``'s start: it may have moved in between)."""
+        self.state = self.monitor.optimizer.state
+        self.step = self.state.steps
+
+    def __call__(self, *args: Any) -> Any:
+        backend = _backend()
+        if backend == "jax":
+            state, iterator = args
+            data = next(iterator)
+
+            def run(fn: Any, state: Any = state) -> Any:
+                return fn(state, iter([data]))
+        elif backend == "tensorflow":
+            data = next(args[0])  # the batch, for a replay; Keras's function then runs it as it would
+
+            def run(fn: Any) -> Any:
+                return fn([data])
+        else:
+            data = args[0]
+
+            def run(fn: Any) -> Any:
+                return fn(data)
+        monitor, opt, step = self.monitor, self.monitor.optimizer, self.step
+        self.step += 1
+        if step % monitor.every == 0:
+            opt._monitor.host_step = step
+            out = run(self.stats)
+            monitor._next_step = step
+            if backend == "jax":
+                record = monitor.record(non_trainable_variables=out[1][1], optimizer_variables=out[1][2])
+            else:
+                record = monitor.record()
+            self._advance(bool(record and record["found_inf"]))
+            return out
+        with monitor._unsampled():
+            out = run(self.plain)
+        if backend == "jax" and self._own_at is None:
+            index = {id(v): i for i, v in enumerate(opt.variables)}
+            self._own_at = [index[id(v)] for v in opt._state_variables]
+        before = self.state
+        found_inf = self._skipped(out) != before.skipped  # the one read of an unsampled step
+        self._advance(found_inf)
+        if not found_inf:
+            monitor._count(step)
+            return out
+        self._replay(before, run, out)
+        return out
+
+    def _skipped(self, out: Any) -> int:
+        """The skipped-step counter after the step: one 4-byte read (on torch's CPU the counter's
+        own memory, read without an aten op: ``Tensor.numpy`` dispatches a ``detach``)."""
+        backend = _backend()
+        if backend == "jax":
+            return int(_host(out[1][2][self._own_at[4]]))
+        value = self.monitor.optimizer.skipped_steps.value
+        if backend == "torch" and value.device.type == "cpu" and value.is_contiguous():
+            import ctypes
+
+            return int(np.frombuffer(ctypes.string_at(value.data_ptr(), 4), np.int32)[0])
+        return int(_host(value))
+
+    def _advance(self, found_inf: bool) -> None:
+        from ...core.loss_scale import LossScaleError, next_state
+
+        try:
+            self.state = next_state(self.monitor.optimizer.loss_scale_config, self.state, found_inf, warned=[True])
+        except LossScaleError:
+            self.sync()
+
+    def _replay(self, before: Any, run: Any, out: Any) -> None:
+        monitor, opt, model = self.monitor, self.monitor.optimizer, self.monitor.model
+        own = [before.good_steps, np.float32(before.scale), before.hysteresis_left, before.steps, before.skipped]
+        opt._monitor.host_step = 0  # torch samples on the host: this step is
+        monitor._next_step = before.steps
+        if _backend() == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            trainable, non_trainable, opt_values, metrics = jax.tree.map(jnp.copy, out[1])  # the replay donates it
+            opt_values = list(opt_values)
+            for at, value in zip(self._own_at, own):
+                opt_values[at] = jnp.asarray(value, opt_values[at].dtype)
+            _, replayed = run(self.stats, (trainable, non_trainable, opt_values, metrics))
+            monitor.record(non_trainable_variables=replayed[1], optimizer_variables=replayed[2])
+            return
+        seen: set[int] = set()
+        variables = [v for v in (model.trainable_variables + model.non_trainable_variables + opt.variables
+                                 + model.metrics_variables) if not (id(v) in seen or seen.add(id(v)))]
+        saved = [ops.copy(v.value) for v in variables]
+        try:
+            for v, x in zip(opt._state_variables, own):
+                v.assign(x)
+            run(self.stats)
+            monitor.record()
+        finally:
+            for v, x in zip(variables, saved):
+                v.assign(x)
+
+
 class MonitorCallback(keras.callbacks.Callback):
     """Writes the numerics log (see :class:`Monitor`) during ``fit``.
 
@@ -459,16 +633,26 @@ class MonitorCallback(keras.callbacks.Callback):
                              f"received every={every!r}")
         self.path, self.every, self.attribution = path, every, attribution
         self.monitor: Monitor | None = None
+        self._dispatch: _FitDispatch | None = None
 
     def on_train_begin(self, logs: Any = None) -> None:
         if self.monitor is None:
             self.monitor = Monitor(self.path, self.model, every=self.every, attribution=self.attribution)
         else:
             self.monitor.attach()
+        model = _model_of(self)
+        if not self.monitor.optimizer.loss_scale_config.skip_nonfinite:
+            return  # a non-finite step is applied, so it cannot be replayed: every step is read
+        if self._dispatch is not None and model.train_function is self._dispatch:
+            self._dispatch.sync()
+        else:
+            self._dispatch = _FitDispatch(self.monitor)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.monitor is None:
             return
+        if self._dispatch is not None and _model_of(self).train_function is self._dispatch:
+            return  # the step was read (or not) by the dispatch
         state = getattr(_model_of(self), "_jax_state", None)
         if state:
             self.monitor.record(non_trainable_variables=state["non_trainable_variables"],

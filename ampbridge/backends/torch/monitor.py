@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ...errors import AmpBridgeWarning
 from .plan import _bypassed
 
 # --- the numerics monitor ----------------------------------------------------------------------
@@ -54,6 +56,31 @@ class _Flags:
         self.bwd_who: list[int] = []
 
 
+class _Call(NamedTuple):
+    """One forward of the root (with gradients on) in replay mode: what a replay needs, by reference."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: tuple[torch.Tensor, torch.Tensor | None]  # the CPU generator's state, the accelerator's
+    autocast: tuple[bool, torch.dtype]  # the enclosing autocast of the monitor's device type
+    grads: dict[int, torch.Tensor]  # output leaf index -> its gradient (filled by the backward)
+
+
+def _tensor_leaves(out: Any) -> list[Any]:
+    """The leaves of a forward's output, mappings opened (a transformers ModelOutput is one)."""
+    leaves = []
+    for t in tree_leaves(out):
+        if isinstance(t, dict) and not isinstance(t, torch.Tensor):
+            leaves += _tensor_leaves(list(t.values()))
+        else:
+            leaves.append(t)
+    return leaves
+
+
+#: forwards kept for a replay between two steps (a loop that only runs forwards does not grow it)
+_CALLS_LIMIT = 64
+
+
 class _Pending(NamedTuple):
     """A step whose found_inf is still on the device (read later, all pending steps at once)."""
 
@@ -81,14 +108,22 @@ class Monitor:
     was, else ``{"path": "", "where": "loss"}``; and, when the host read ``found_inf`` (the
     default loop: the scaler syncs to skip), with every layer's statistics, sampled or not.
 
-    Attribution (``attribution=True``) costs a forward hook per leaf module and a view plus a
-    tensor hook per leaf input that needs a gradient (two small device ops each, every step, no
-    host sync); the flags are read only on a non-finite step, which the host learns anyway (the
-    scaler reads found_inf; with a fused optimizer, or ``skip_nonfinite = false``, the host never
-    does: those steps wait on the device and are read with the next sampled step, at the latest
-    every 1000 steps). Modules with ``inplace=True`` get no input probe (an in-place op on a
-    probed input would lose it); a leaf whose output holds inf on purpose (an additive mask) would
-    be named first: pass ``attribution=False`` or keep the mask out of a module.
+    Attribution (``attribution=True``) probes each leaf module: an ``aminmax`` of its output and
+    of the gradient w.r.t. its inputs (through a view of each input). Where the host learns
+    found_inf at the step (the default loop: the scaler reads it to skip), the probes are off
+    and a step costs exactly what it costs without a monitor (aten ops, casts, host syncs; the
+    monitor keeps references to the root's inputs, the gradients of its outputs and the RNG
+    state, host-side): on a non-finite step, skipped, so parameters and optimizer state are as
+    before it, the monitor *replays* that step's forwards with the probes on (same inputs, same
+    RNG, same autocast; buffers and RNG restored after) and runs their backward from the
+    recorded output gradients with ``torch.autograd.grad`` (``.grad`` untouched). With a fused
+    optimizer, ``skip_nonfinite = false`` or mode none without skipping, the host never learns
+    found_inf and the step is not replayable later, so the probes stay on every step (two small
+    device ops per leaf, no host sync) and those steps wait on the device, read with the next
+    sampled step (at the latest every 1000 steps). The first step a monitor sees is probed (it
+    learns which case it is in). Modules with ``inplace=True`` get no input probe (an in-place
+    op on a probed input would lose it); a leaf whose output holds inf on purpose (an additive
+    mask) would be named first: pass ``attribution=False`` or keep the mask out of a module.
 
     Example:
         >>> import tempfile, os, torch, ampbridge
@@ -136,13 +171,15 @@ class Monitor:
         self._order: list[str] = []
         self._order_seen: set[str] = set()
         self._order_hooks = [m.register_forward_pre_hook(functools.partial(self._first_call, p)) for p, m in named]
-        self._hooks = []
+        self._modules = modules
+        self._hooks: list[Any] = []  # the probes, while on
+        self._capture_hooks: list[Any] = []  # the root's recorders, while probes are off
+        self._calls: list[_Call] = []
+        self._calls_lost = False  # more forwards than _CALLS_LIMIT since the last step
+        self._views: list[torch.Tensor] | None = None  # probed inputs, collected during a replay
+        self._warned_replay = False
         if self.attribution:
-            for i, p in enumerate(self._candidates):
-                m = modules[p]
-                if not getattr(m, "inplace", False):
-                    self._hooks.append(m.register_forward_pre_hook(functools.partial(self._probe_inputs, i)))
-                self._hooks.append(m.register_forward_hook(functools.partial(self._check_output, i)))
+            self._probes_on()  # the first step: found_inf may never reach the host
         self._acc = torch.float32 if amp.device_type == "mps" else torch.float64  # mps has no float64
         self._flags = _Flags()
         self._loss: torch.Tensor | None = None
@@ -183,13 +220,127 @@ class Monitor:
             seen, first, last = self._seen
             self._writer.end(seen, first_step=first if seen else None, last_step=last if seen else None)
         finally:
-            for handle in self._order_hooks + self._hooks:
+            for handle in self._order_hooks + self._hooks + self._capture_hooks:
                 handle.remove()
-            self._order_hooks, self._hooks = [], []
+            self._order_hooks, self._hooks, self._capture_hooks, self._calls = [], [], [], []
             if self._amp.scaler._monitor is self:
                 self._amp.scaler._monitor = None
             if self._writer is not None:
                 self._writer.close()
+
+    # --- probes on (every step: found_inf never reaches the host) or off (replay a non-finite step)
+
+    def _probes_on(self) -> None:
+        for handle in self._capture_hooks:
+            handle.remove()
+        self._capture_hooks, self._calls = [], []
+        self._hooks = self._install_probes()
+
+    def _probes_off(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        root = self._amp.model
+        # prepended: the inputs as the caller passed them, before any other hook rewrites them
+        self._hooks = []
+        self._capture_hooks = [root.register_forward_pre_hook(self._record_call, prepend=True, with_kwargs=True),
+                               root.register_forward_hook(self._record_outputs)]
+
+    def _replayable(self) -> bool:
+        """False under FSDP: a replayed forward and backward would all-gather and reduce-scatter
+        (on every rank, or hang); the probes stay on there."""
+        try:
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        except ImportError:  # a torch built without distributed
+            return True
+        return not any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in self._amp.model.modules())
+
+    def _install_probes(self) -> list[Any]:
+        handles = []
+        for i, p in enumerate(self._candidates):
+            m = self._modules[p]
+            if not getattr(m, "inplace", False):
+                handles.append(m.register_forward_pre_hook(functools.partial(self._probe_inputs, i)))
+            handles.append(m.register_forward_hook(functools.partial(self._check_output, i)))
+        return handles
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # host-side copies (no aten op, no device sync: CUDA's is the philox seed and offset)
+        device = getattr(torch, self._amp.device_type, None) if self._amp.device_type != "cpu" else None
+        accel = device.get_rng_state() if device is not None and hasattr(device, "get_rng_state") and \
+            getattr(device, "is_initialized", lambda: True)() else None
+        return torch.random.default_generator.get_state(), accel
+
+    def _set_rng(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.random.default_generator.set_state(state[0])
+        if state[1] is not None:
+            getattr(torch, self._amp.device_type).set_rng_state(state[1])
+
+    def _record_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # not a replay's own forward, nor a deep copy's (it keeps the hook)
+        if not torch.is_grad_enabled() or self._views is not None or module is not self._amp.model:
+            return
+        if len(self._calls) >= _CALLS_LIMIT:
+            self._calls_lost = True
+            del self._calls[0]
+        device = self._amp.device_type
+        self._calls.append(_Call(args, dict(kwargs), self._rng_state(),
+                                 (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)), {}))
+
+    def _record_outputs(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not torch.is_grad_enabled() or not self._calls or self._views is not None or module is not self._amp.model:
+            return
+        grads = self._calls[-1].grads
+        for k, t in enumerate(_tensor_leaves(out)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(self._record_output_grad, grads, k))
+
+    @staticmethod
+    def _record_output_grad(grads: dict[int, torch.Tensor], k: int, grad: torch.Tensor) -> None:
+        grads[k] = grad
+
+    def _replay(self, calls: list[_Call]) -> _Flags:
+        """The probes' flags of a skipped step, by running its forwards (and backwards from the
+        recorded output gradients) again; parameters, ``.grad``, buffers and RNG as before."""
+        flags = self._flags = _Flags()
+        model = self._amp.model
+        views: list[torch.Tensor] = []
+        self._views = views
+        handles = self._install_probes()
+        rng_now = self._rng_state()
+        buffers = [(m, name, b, b.clone()) for m in model.modules() for name, b in m.named_buffers(recurse=False)]
+        try:
+            if self._calls_lost:
+                raise RuntimeError(f"more than {_CALLS_LIMIT} forwards of the model in one step")
+            for call in calls:
+                self._set_rng(call.rng)
+                enabled, dtype = call.autocast
+                with torch.enable_grad(), torch.autocast(self._amp.device_type, dtype=dtype, enabled=enabled):
+                    out = model(*call.args, **call.kwargs)
+                leaves = _tensor_leaves(out)
+                seeds = [(leaves[k], g) for k, g in call.grads.items()
+                         if k < len(leaves) and isinstance(leaves[k], torch.Tensor) and leaves[k].requires_grad]
+                if seeds and views:  # autograd.grad: nothing accumulates into .grad (nor fires DDP's hooks)
+                    torch.autograd.grad([t for t, _ in seeds], views, [g for _, g in seeds], allow_unused=True)
+                views.clear()
+        except Exception as error:  # attribution falls back to the parameter gradients
+            flags = _Flags()
+            if not self._warned_replay:
+                self._warned_replay = True
+                warnings.warn(f"ampbridge monitor: could not replay the non-finite step to find the first "
+                              f"non-finite layer ({type(error).__name__}: {error}); first_nonfinite comes from the "
+                              f"parameter gradients only", AmpBridgeWarning, stacklevel=2)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._views = None
+            self._set_rng(rng_now)
+            with torch.no_grad():
+                for m, name, b, saved in buffers:
+                    b.copy_(saved)
+                    if getattr(m, name, None) is not b:  # the forward replaced it: put the original back
+                        setattr(m, name, b)
+            self._flags = _Flags()
+        return flags
 
     # --- hooks (kept small: they run on every forward and backward)
 
@@ -215,6 +366,8 @@ class Monitor:
                     v = a.view_as(a)
                     v.register_hook(functools.partial(self._check_input_grad, index))
                     views[id(a)] = v
+                    if self._views is not None:
+                        self._views.append(v)
                 new[k] = v
         return tuple(new) if views else None
 
@@ -239,7 +392,8 @@ class Monitor:
     # --- fed by the scaler
 
     def _saw_loss(self, outputs: Any) -> None:
-        self._loss = outputs.detach() if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
+        # a reference (detached only when read: a detach is an aten op on every step)
+        self._loss = outputs if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
 
     def _saw_grads(self, scale: torch.Tensor | None, step: int) -> None:
         if self._took_grads:  # once per step, before the first unscale
@@ -295,8 +449,21 @@ class Monitor:
         flags, self._flags = self._flags, _Flags()
         loss, self._loss = self._loss, None
         stats, self._stats = self._stats, None
+        calls, self._calls = self._calls, []
+        replayable = bool(self._capture_hooks)
+        if self.attribution:  # probes on only where the host will not learn found_inf
+            if known is None and not self._hooks:
+                self._probes_on()
+            elif known is not None and self._hooks and self._replayable():
+                self._probes_off()
         if known is False and stats is None:
+            self._calls_lost = False
             return  # the common step: nothing read, nothing written
+        if known and self.attribution and replayable:
+            flags = self._replay(calls)
+        self._calls_lost = False
+        if loss is not None:
+            loss = loss.detach()
         if known and stats is None:
             # a non-finite step the host already knows of, its gradients still here (unscaled by
             # now): per-layer statistics on every such step, at no cost to the finite ones
@@ -406,6 +573,9 @@ class Monitor:
         # a parameter gradient overflowed while no input gradient did: the first such layer in
         # backward order (the one called last in the forward)
         last_call = {i: k for k, i in enumerate(e.fwd_who)}
+        if not last_call:  # no forward flags (a step that could not be replayed): the first forward's order
+            first = {p: k for k, p in enumerate(self._order)}
+            last_call = {i: first.get(p, -1) for i, p in enumerate(self._candidates)}
         hit = {e.param_who[k] for k in range(len(e.param_who)) if bad[nf + nb + k]}
         if hit:
             return {"path": self._candidates[max(hit, key=lambda i: last_call.get(i, -1))], "where": "gradient"}

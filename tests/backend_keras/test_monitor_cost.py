@@ -1,0 +1,150 @@
+"""ampbridge.keras.MonitorCallback between samples (issue 24): an unsampled ``fit`` step runs Keras's
+own train function traced without the monitor, so its exact counts equal an unmonitored model's
+(TensorFlow: ops of the traced step's graph; JAX: StableHLO ops of the lowered step; torch: aten
+ops dispatched per step); a non-finite unsampled step is replayed on its batch, in a sandbox,
+and still names the layer where it started."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ampbridge._testing import require
+
+keras = require("keras")
+import ampbridge  # noqa: E402
+import ampbridge.keras as ak  # noqa: E402
+from ampbridge import LossScaleConfig  # noqa: E402
+from ampbridge.diagnostics.runlog import read_log  # noqa: E402
+
+L = keras.layers
+BACKEND = keras.backend.backend()
+POLICY = ampbridge.preset("mixed_float16").replace(
+    loss_scale=LossScaleConfig(initial_scale=1.0, growth_interval=10_000))
+BATCH = 4
+
+
+def _model(kx, *, monitored_path=None, every=100):
+    """Dense a (kernel 1) -> Dense boom (kernel 10) -> Dropout -> Dense head: on ones boom emits
+    320; on a batch of 1000s 320000, past float16's 65504 (boom's output overflows)."""
+    kx.seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(8, name="a"), L.Dense(8, name="boom"),
+                              L.Dropout(0.25, seed=1, name="drop"), L.Dense(1, name="head")], name="net")
+    for name, value in (("a", 1.0), ("boom", 10.0), ("head", 1e-3)):
+        layer = model.get_layer(name)
+        layer.set_weights([np.full(w.shape, value if w.ndim == 2 else 0.0, "float32") for w in layer.get_weights()])
+    ak.apply(model, POLICY)
+    model.compile(ak.optimizer(keras.optimizers.Adam(1e-3), POLICY), "mse")
+    callbacks = [] if monitored_path is None else [ak.MonitorCallback(monitored_path, every=every)]
+    return model, callbacks
+
+
+def _data(steps, poisoned=()):
+    x = np.ones((steps * BATCH, 4), "float32")
+    for step in poisoned:
+        x[step * BATCH:(step + 1) * BATCH] = 1000.0
+    return x, np.zeros((steps * BATCH, 1), "float32")
+
+
+def _closure_find(fn, test, depth=0):
+    """The object in ``fn``'s closures (Keras's train function, nested) that passes ``test``."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        for candidate in (value, getattr(value, "__wrapped__", None)):
+            if candidate is not None and test(candidate):
+                return candidate
+        if callable(value) and depth < 4 and not isinstance(value, (type, keras.layers.Layer)):
+            found = _closure_find(getattr(value, "__wrapped__", value), test, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _traced_ops(model, train_function, batch):
+    """Ops of the traced train step inside ``train_function`` (a cache hit: fit traced it)."""
+    if BACKEND == "tensorflow":
+        fn = _closure_find(train_function, lambda v: hasattr(v, "get_concrete_function")
+                           and getattr(v, "__name__", "") == "one_step_on_data")
+        traces = fn.experimental_get_tracing_count()
+        graph = fn.get_concrete_function(batch).graph.as_graph_def()
+        assert fn.experimental_get_tracing_count() == traces  # the step fit ran, not a new trace
+        return len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
+    fn = _closure_find(train_function, lambda v: hasattr(v, "lower"))
+    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                 optimizer_variables=True, metrics_variables=True)
+    text = fn.lower(state, batch).as_text()
+    return sum("= stablehlo." in line or "stablehlo.return" in line for line in text.splitlines())
+
+
+def _aten_ops(model, batch):
+    """The aten ops one call of ``model.train_function`` dispatches (torch runs Keras eagerly)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        model.train_function([batch])
+    return count.ops
+
+
+def test_unsampled_step_counts_equal_no_monitor(kx, tmp_path):
+    """every=100: after fit ran the sampled step 0 and unsampled steps, the program an unsampled
+    step runs has exactly the ops of the unmonitored model's; the sampled program has more."""
+    x, y = _data(3)
+    plain, _ = _model(kx)
+    monitored, callbacks = _model(kx, monitored_path=tmp_path / "run.jsonl")
+    plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    monitored.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+    dispatch = callbacks[0]._dispatch
+    assert monitored.train_function is dispatch and dispatch.step == 3
+    batch = (keras.ops.convert_to_tensor(x[:BATCH]), keras.ops.convert_to_tensor(y[:BATCH]))
+    if BACKEND == "torch":
+        import torch
+
+        torch.manual_seed(0)
+        want = _aten_ops(plain, batch)
+        got = _aten_ops(monitored, batch)  # step 3: unsampled
+        assert dispatch.step == 4 and got == want and sum(got.values()) > 100
+        dispatch.step = 100  # the next call is sampled: the statistics function
+        assert sum(_aten_ops(monitored, batch).values()) > sum(want.values())
+    else:
+        want = _traced_ops(plain, plain.train_function, batch)
+        assert _traced_ops(monitored, dispatch.plain, batch) == want
+        assert _traced_ops(monitored, dispatch.stats, batch) > want
+    callbacks[0].close()
+    # torch ran the fifth step (optimizer step 4) through the statistics function: it is logged
+    assert [s["step"] for s in read_log(tmp_path / "run.jsonl").steps] == [0] + ([4] if BACKEND == "torch" else [])
+
+
+def test_nonfinite_unsampled_step_replayed_in_a_sandbox(kx, tmp_path):
+    """Steps 5 and 9 overflow in "boom"'s output (unsampled at every=100): each is logged with
+    every layer's statistics and named; the replay leaves no trace: the weights, the optimizer
+    (loss-scale state included) and the loss metric end bit-for-bit as an unmonitored fit's."""
+    x, y = _data(12, poisoned=(5, 9))
+    plain, _ = _model(kx)
+    monitored, callbacks = _model(kx, monitored_path=tmp_path / "run.jsonl")
+    want = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    got = monitored.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
+    callbacks[0].close()
+    log = read_log(tmp_path / "run.jsonl")
+    assert [s["step"] for s in log.steps] == [0, 5, 9]
+    for s in log.steps[1:]:
+        assert s["found_inf"] and s["skipped"] and s["first_nonfinite"] == {"path": "boom", "where": "output"}
+        assert sorted(s["layers"]) == ["a", "boom", "head"] and s["layers"]["a"]["nonfinite"] > 0
+    assert [s["loss_scale"] for s in log.steps] == [1.0, 1.0, 0.5]  # the scale each step used
+    assert log.end == {"kind": "end", "steps": 12, "skipped": 2, "first_step": 0, "last_step": 11}
+    for a, b in zip(plain.weights + plain.optimizer.variables, monitored.weights + monitored.optimizer._saved_variables()):
+        assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
+    assert monitored.optimizer.state == plain.optimizer.state and plain.optimizer.state.skipped == 2
+    np.testing.assert_array_equal(got["loss"], want["loss"])
