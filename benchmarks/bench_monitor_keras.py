@@ -136,7 +136,7 @@ def _hlo_ops(model, x, y) -> int:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="tensorflow")
+    parser.add_argument("--backends", default="tensorflow,jax,torch")
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--one", help=argparse.SUPPRESS)
