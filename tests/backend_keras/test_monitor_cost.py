@@ -148,3 +148,21 @@ def test_nonfinite_unsampled_step_replayed_in_a_sandbox(kx, tmp_path):
         assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
     assert monitored.optimizer.state == plain.optimizer.state and plain.optimizer.state.skipped == 2
     np.testing.assert_array_equal(got["loss"], want["loss"])
+
+
+def test_the_last_step_of_each_epoch_nonfinite_is_replayed(kx, tmp_path):
+    """Two epochs whose last steps overflow: each is replayed and named before the next epoch
+    starts, and the run stays bit-identical to an unmonitored fit."""
+    x, y = _data(8, poisoned=(3, 7))  # step 7: the last of the first epoch
+    plain, _ = _model(kx)
+    monitored, callbacks = _model(kx, monitored_path=tmp_path / "run.jsonl")
+    want = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    got = monitored.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks).history
+    callbacks[0].close()
+    log = read_log(tmp_path / "run.jsonl")
+    assert [s["step"] for s in log.steps] == [0, 3, 7, 11, 15]
+    assert all(s["first_nonfinite"] == {"path": "boom", "where": "output"} for s in log.steps[1:])
+    assert log.end["steps"] == 16 and log.end["skipped"] == 4
+    for a, b in zip(plain.weights, monitored.weights):
+        assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
+    np.testing.assert_array_equal(got["loss"], want["loss"])
