@@ -4,6 +4,7 @@ restores the policy, the pins and the full loss-scale state from the file alone.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -112,27 +113,6 @@ def test_saved_file_loads_in_plain_keras_and_back_in_ampbridge(kx, tmp_path):
         assert ak.stored_policy(tmp_path / f"{name}.keras") == model._ampbridge_policy
 
 
-PLAIN_KERAS_TABLE = textwrap.dedent("""
-    import json, sys
-    exec(sys.argv[2])  # hides ampbridge, as in PLAIN_KERAS
-    import keras, keras_hub, numpy as np
-    model = keras.saving.load_model(sys.argv[1], compile=False)
-    x = dict(np.load("x.npz"))
-    def table(model):
-        out = []
-        for layer in model._flatten_layers(include_self=True):
-            policy = layer.dtype_policy
-            if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
-                policy = policy[layer.path] if layer.path else policy.default_policy
-            out.append([type(layer).__name__, layer.path, policy.name, layer.compute_dtype, layer.variable_dtype])
-        return out
-    outputs = keras.tree.map_structure(lambda t: np.asarray(keras.ops.convert_to_numpy(t), "float32").tolist(),
-                                       model(x))
-    print(json.dumps({"dtypes": table(model), "outputs": outputs, "class": type(model).__name__}))
-""")
-HIDE_AMPBRIDGE = PLAIN_KERAS[:PLAIN_KERAS.index("import keras")]
-
-
 def _layer_table(model):
     """[class, Keras path, the policy the layer runs, compute, variable] per layer, in Keras's order
     (a layer's policy may be a DTypePolicyMap shared with its parent: its own entry is what it runs)."""
@@ -143,6 +123,20 @@ def _layer_table(model):
             policy = policy[layer.path] if layer.path else policy.default_policy
         out.append([type(layer).__name__, layer.path, policy.name, layer.compute_dtype, layer.variable_dtype])
     return out
+
+
+PLAIN_KERAS_TABLE = textwrap.dedent("""
+    import json, sys
+    exec(sys.argv[2])  # hides ampbridge, as in PLAIN_KERAS
+    import keras, keras_hub, numpy as np
+    model = keras.saving.load_model(sys.argv[1], compile=False)
+    x = dict(np.load("x.npz"))
+""") + inspect.getsource(_layer_table) + textwrap.dedent("""
+    outputs = keras.tree.map_structure(lambda t: np.asarray(keras.ops.convert_to_numpy(t), "float32").tolist(),
+                                       model(x))
+    print(json.dumps({"dtypes": _layer_table(model), "outputs": outputs, "class": type(model).__name__}))
+""")
+HIDE_AMPBRIDGE = PLAIN_KERAS[:PLAIN_KERAS.index("import keras")]
 
 
 def test_keras_hub_pins_survive_plain_keras(kx, tmp_path):

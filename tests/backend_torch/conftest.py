@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import importlib.util
 
@@ -86,10 +87,23 @@ if HAVE_TORCH:
         return Tiny()
 
 
+    @contextlib.contextmanager
+    def big_weights(layer, factor):
+        """``layer.weight`` multiplied by ``factor`` inside the block (an overflow planted at one step)."""
+        saved = layer.weight.detach().clone()
+        with torch.no_grad():
+            layer.weight.mul_(factor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                layer.weight.copy_(saved)
+
+
     @pytest.fixture
     def helpers():
-        return collections.namedtuple("Helpers", "Tiny native_forward batches twin")(
-            Tiny, native_forward, batches, lambda m: (m, copy.deepcopy(m)))
+        return collections.namedtuple("Helpers", "Tiny native_forward batches twin big_weights")(
+            Tiny, native_forward, batches, lambda m: (m, copy.deepcopy(m)), big_weights)
 
 
     # --- the independent dtype probe -----------------------------------------------------------------

@@ -71,31 +71,19 @@ def train(model, amp, opt, batches, plant=None):
     return results
 
 
-@contextlib.contextmanager
-def big_weights(layer, factor):
-    saved = layer.weight.detach().clone()
-    with torch.no_grad():
-        layer.weight.mul_(factor)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            layer.weight.copy_(saved)
-
-
 def by_step(log):
     return {s["step"]: s for s in log.steps}
 
 
 # --- overflow attribution ----------------------------------------------------------------------
 
-def test_a_forward_overflow_names_the_layer_whose_output_overflowed(tmp_path):
+def test_a_forward_overflow_names_the_layer_whose_output_overflowed(helpers, tmp_path):
     model = chain()
     amp = abt.apply(model, "mixed_float16")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def plant(i):  # float16 output beyond 65504 at step 3; everything after it follows
-        return big_weights(model[2], 1e5) if i == 3 else contextlib.nullcontext()
+        return helpers.big_weights(model[2], 1e5) if i == 3 else contextlib.nullcontext()
 
     with amp.monitor(tmp_path / "run.jsonl", every=100):
         applied = train(model, amp, opt, data(6), plant)
@@ -131,7 +119,7 @@ def test_a_backward_only_overflow_names_the_layer_whose_gradient_overflowed(tmp_
     assert step["layers"]["0"]["nonfinite"] > 0 and step["layers"]["6"]["nonfinite"] == 0
 
 
-def test_a_parameter_gradient_overflow_without_an_input_gradient_names_the_first_layer(tmp_path):
+def test_a_parameter_gradient_overflow_without_an_input_gradient_names_the_first_layer(helpers, tmp_path):
     """The first layer's input needs no gradient: its weight gradient (x^T g, in float16) is what
     overflows, and the attribution falls back to the layers' own parameter gradients."""
     model = chain()
@@ -140,7 +128,7 @@ def test_a_parameter_gradient_overflow_without_an_input_gradient_names_the_first
     batches = data(3)
     x, y = batches[1]
     batches[1] = (x * 1e4, y)  # finite in float16; x^T g * 65536 is not
-    with big_weights(model[0], 1e-5), amp.monitor(tmp_path / "run.jsonl"):
+    with helpers.big_weights(model[0], 1e-5), amp.monitor(tmp_path / "run.jsonl"):
         assert train(model, amp, opt, batches) == [True, False, True]
     step = by_step(read_log(tmp_path / "run.jsonl"))[1]
     assert step["first_nonfinite"] == {"path": "0", "where": "gradient"}
@@ -227,7 +215,7 @@ def test_every_100_samples_steps_0_100_200_and_logs_every_skip(tmp_path):
                                                     "last_step": 200}
 
 
-def test_host_syncs_and_transfers(tmp_path, counter, monkeypatch):
+def test_host_syncs_and_transfers(helpers, tmp_path, counter, monkeypatch):
     """No monitor: one read per step (ordinary optimizer), none (fused); the monitor adds no read
     on an unsampled finite step and exactly one transfer on a sampled or a non-finite step. With a
     fused optimizer the host never learns found_inf: the skipped step waits on the device and is
@@ -242,7 +230,7 @@ def test_host_syncs_and_transfers(tmp_path, counter, monkeypatch):
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused else \
             torch.optim.SGD(model.parameters(), lr=1e-3)
         batches = data(7)
-        plan = {3: lambda: big_weights(model[2], 1e5)}
+        plan = {3: lambda: helpers.big_weights(model[2], 1e5)}
         counts = []
         monitor = amp.monitor(tmp_path / f"run-{fused}.jsonl", every=5)
         for i, (x, y) in enumerate(batches):
@@ -388,12 +376,12 @@ def test_float32_without_a_scaler_and_skip_off(tmp_path):
 
 # --- the report ------------------------------------------------------------------------------------
 
-def test_report_names_the_planted_layer_and_counts_skips(tmp_path):
+def test_report_names_the_planted_layer_and_counts_skips(helpers, tmp_path):
     model = chain()
     amp = abt.apply(model, Policy(compute_dtype="float16", loss_scale={"mode": "dynamic", "min_scale": 1.0}))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with amp.monitor(tmp_path / "run.jsonl", every=4):
-        train(model, amp, opt, data(24), lambda i: big_weights(model[4], 1e6) if i in (5, 9, 10) else
+        train(model, amp, opt, data(24), lambda i: helpers.big_weights(model[4], 1e6) if i in (5, 9, 10) else
               contextlib.nullcontext())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -423,7 +411,7 @@ def test_the_step_that_stops_the_run_is_logged(tmp_path):
     assert step["found_inf"] and step["loss_scale"] == 1.0 and step["first_nonfinite"]["where"] == "loss"
 
 
-def test_every_non_finite_step_has_layer_statistics_and_the_report_counts_both(tmp_path):
+def test_every_non_finite_step_has_layer_statistics_and_the_report_counts_both(helpers, tmp_path):
     """Two skipped steps, 4 (sampled) and 5 (not): both carry every layer's statistics, equal to
     those of an every=1 monitor on the same run, and `report` counts 2 per layer (issue 23)."""
     logs = {}
@@ -432,7 +420,7 @@ def test_every_non_finite_step_has_layer_statistics_and_the_report_counts_both(t
         amp = abt.apply(model, Policy(compute_dtype="float16", loss_scale={"mode": "dynamic", "min_scale": 1.0}))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with amp.monitor(tmp_path / f"run{every}.jsonl", every=every):
-            applied = train(model, amp, opt, data(8), lambda i: big_weights(model[4], 1e6) if i in (4, 5) else
+            applied = train(model, amp, opt, data(8), lambda i: helpers.big_weights(model[4], 1e6) if i in (4, 5) else
                             contextlib.nullcontext())
         assert applied == [True] * 4 + [False, False, True, True]
         logs[every] = by_step(read_log(tmp_path / f"run{every}.jsonl"))

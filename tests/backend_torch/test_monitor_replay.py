@@ -55,18 +55,6 @@ def loss_fn(out, y):
 
 
 @contextlib.contextmanager
-def big_weights(layer, factor):
-    saved = layer.weight.detach().clone()
-    with torch.no_grad():
-        layer.weight.mul_(factor)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            layer.weight.copy_(saved)
-
-
-@contextlib.contextmanager
 def armed(boom):
     boom.armed = True
     try:
@@ -111,7 +99,7 @@ def test_an_unsampled_step_dispatches_what_a_step_without_a_monitor_dispatches(o
     assert steps[6]["layers"]["0"]["nonfinite"] > 0 and steps[6]["layers"]["7"]["nonfinite"] == 0
 
 
-def test_the_replay_sees_the_step_s_dropout_mask_and_training_is_bit_identical(tmp_path):
+def test_the_replay_sees_the_step_s_dropout_mask_and_training_is_bit_identical(helpers, tmp_path):
     """Forward overflows at steps 4 and 5 (unsampled): each replay's dropout draws its step's own
     mask (its output equals the original's), the layer is named, and losses and parameters after
     8 steps equal those of the run without a monitor (RNG and buffers restored after a replay)."""
@@ -126,7 +114,7 @@ def test_the_replay_sees_the_step_s_dropout_mask_and_training_is_bit_identical(t
         monitor = amp.monitor(tmp_path / "run.jsonl", every=100) if monitored else None
         losses = []
         for i, (x, y) in enumerate(data(8)):
-            with big_weights(model[4], 1e5) if i in (4, 5) else contextlib.nullcontext():
+            with helpers.big_weights(model[4], 1e5) if i in (4, 5) else contextlib.nullcontext():
                 loss = loss_fn(model(x), y)
                 assert bool(amp.step(loss, opt)) == (i not in (4, 5))
             opt.zero_grad()
