@@ -288,3 +288,30 @@ def test_wrap_errors(tmp_path):
             monitor.wrap(lambda *a, sample: no_monitor(*a))(params, opt_state, x, y)
     with pytest.raises(ValueError, match="sample='yes'; accepted: True or False"):
         abj.numerics(amp, lambda p: 0.0, opt_state, sample="yes")
+
+
+def test_a_carry_that_is_not_the_last_output_starts_a_new_window(tmp_path):
+    """A run restored from an earlier state between samples (linen: the carry is not the last
+    call's output): the steps before the restore are settled from their own window, the steps
+    after it from the restored state, so a skip on each side is replayed and logged at its own
+    step, and the parameters equal a run without a monitor that was restored the same way."""
+    amp, params, opt_state, step, no_monitor, x, y = start(big=2000.0)
+    batches = [(x * (300.0 if i == 6 else 1.0), y) for i in range(8)]
+    log = tmp_path / "run.jsonl"
+    with abj.Monitor(log, amp, x, every=100) as monitor:
+        train = monitor.wrap(step)
+        p, s = params, opt_state
+        for k, (xb, yb) in enumerate(batches[:7]):  # steps 0-6; 6 is skipped
+            p, s, _ = train(p, s, xb, yb)
+            if k == 4:
+                checkpoint = (p, s)
+        p, s = checkpoint
+        for xb, yb in batches[5:]:  # steps 7-9: batches 5-7 again from the checkpoint; 8 is skipped
+            p, s, _ = train(p, s, xb, yb)
+    got = read_log(log)
+    assert [(r["step"], r["skipped"]) for r in got.steps] == [(0, False), (6, True), (8, True)]
+    assert [r["first_nonfinite"] for r in got.steps[1:]] == [{"path": "big", "where": "output"}] * 2
+    assert got.end["steps"] == 10 and got.end["skipped"] == 2
+    want_p, want_s = run_plain(params, opt_state, no_monitor, batches)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves((p, s)),
+                                                    jax.tree_util.tree_leaves((want_p, want_s))))

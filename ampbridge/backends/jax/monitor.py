@@ -599,7 +599,8 @@ class Monitor:
         in step order. The price: the states after the last two sampled steps and up to
         ``2 * every`` steps' inputs stay alive, a skip is logged up to ``2 * every`` steps late,
         and a window with a skip is run again (up to ``every`` steps). Donated arguments cannot be
-        kept: do not donate the ``carry``.
+        kept: do not donate the ``carry``. A linen carry that is not the last call's output (a
+        restored checkpoint) settles the steps before it (one read) and starts a new window.
 
         Example:
             >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, optax, tempfile, os, ampbridge
@@ -641,6 +642,13 @@ class Monitor:
             if not held and len(args) < carry:
                 raise ValueError(f"Monitor.wrap: {len(args)} positional argument(s); with carry={carry} the "
                                  f"first {carry} are the training state")
+            window = self._window
+            if window is not None and not held and any(a is not b for a, b in zip(args[:carry], window.latest)):
+                # the carried state is not the last step's output (a checkpoint restored, a run
+                # rewound): the steps since the last sample are settled now, from their own states
+                # (one read), and the window starts again from this state
+                self.flush()
+                self._window = None
             if self._window is None and not sample:  # a resumed run between samples: start from here
                 before = tuple(args[k] for k in held) if held else tuple(args[:carry])
                 self._window = _Window(step, carry, held, _snapshot(before, bool(held)), n,
