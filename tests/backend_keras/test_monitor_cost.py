@@ -23,7 +23,7 @@ POLICY = ampbridge.preset("mixed_float16").replace(
 BATCH = 4
 
 
-def _model(kx, *, monitored_path=None, every=100):
+def _model(kx, *, monitored_path=None, every=100, policy=POLICY):
     """Dense a (kernel 1) -> Dense boom (kernel 10) -> Dropout -> Dense head: on ones boom emits
     320; on a batch of 1000s 320000, past float16's 65504 (boom's output overflows)."""
     kx.seed(0)
@@ -32,8 +32,8 @@ def _model(kx, *, monitored_path=None, every=100):
     for name, value in (("a", 1.0), ("boom", 10.0), ("head", 1e-3)):
         layer = model.get_layer(name)
         layer.set_weights([np.full(w.shape, value if w.ndim == 2 else 0.0, "float32") for w in layer.get_weights()])
-    ak.apply(model, POLICY)
-    model.compile(ak.optimizer(keras.optimizers.Adam(1e-3), POLICY), "mse")
+    ak.apply(model, policy)
+    model.compile(ak.optimizer(keras.optimizers.Adam(1e-3), policy), "mse")
     callbacks = [] if monitored_path is None else [ak.MonitorCallback(monitored_path, every=every)]
     return model, callbacks
 
@@ -148,6 +148,24 @@ def test_nonfinite_unsampled_step_replayed_in_a_sandbox(kx, tmp_path):
         assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
     assert monitored.optimizer.state == plain.optimizer.state and plain.optimizer.state.skipped == 2
     np.testing.assert_array_equal(got["loss"], want["loss"])
+
+
+def test_a_replay_starts_from_the_scale_the_step_used(kx, tmp_path):
+    """The scale grows every 2 finite steps between the skips at 5 and 9 (the host folds the
+    unsampled finite steps into its loss-scale state only when a replay needs it): each replayed
+    record equals the one a run sampling every step logged, loss scale included."""
+    policy = POLICY.replace(loss_scale=LossScaleConfig(initial_scale=1.0, growth_interval=2))
+    x, y = _data(12, poisoned=(5, 9))
+    logs = {}
+    for every in (100, 1):
+        model, callbacks = _model(kx, monitored_path=tmp_path / f"{every}.jsonl", every=every, policy=policy)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+        callbacks[0].close()
+        logs[every] = {s["step"]: s for s in read_log(tmp_path / f"{every}.jsonl").steps}
+    assert sorted(logs[100]) == [0, 5, 9]
+    assert [logs[100][k]["loss_scale"] for k in (5, 9)] == [logs[1][k]["loss_scale"] for k in (5, 9)] == [4.0, 4.0]
+    for k in (5, 9):
+        assert logs[100][k]["first_nonfinite"] == logs[1][k]["first_nonfinite"] == {"path": "boom", "where": "output"}
 
 
 def test_the_last_step_of_each_epoch_nonfinite_is_replayed(kx, tmp_path):

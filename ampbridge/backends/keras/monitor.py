@@ -478,20 +478,31 @@ class _FitDispatch:
     def __init__(self, monitor: Monitor):
         self.monitor = monitor
         model = monitor.model
-        with monitor._unsampled():
-            self.plain = self._keras_train_function(model)
+        self.plain = self._keras_train_function(model, monitor._unsampled)
         self.stats = self._keras_train_function(model)
+        # Keras's TensorFlow and JAX trainers capture the train step when they make the function,
+        # so `plain` enters the unsampled mode only while it is traced; its torch trainer (and JAX
+        # under NNX) look `model.train_step` up at each call, so there every unsampled call enters it.
+        self._mode_each_call = _backend() == "torch" or getattr(keras.config, "is_nnx_enabled", lambda: False)()
         self._own_at: list[int] | None = None  # JAX: the loss-scale state's places in the optimizer values
         self.sync()
         model.train_function = self
 
     @staticmethod
-    def _keras_train_function(model: Any) -> Any:
+    def _keras_train_function(model: Any, mode: Any = None) -> Any:
         """Keras's own ``make_train_function``, over a train step of its own: JAX caches traces by
-        the function jitted, and two jits of the same bound ``train_step`` would share one."""
+        the function jitted, and two jits of the same bound ``train_step`` would share one.
+        ``mode`` (a context manager) is entered around that train step: under ``jit`` and
+        ``tf.function`` only while it is traced, so a compiled step pays nothing for it."""
         own = model.__dict__.get("train_step")
-        object.__setattr__(model, "train_step", functools.partial(own or type(model).train_step,
-                                                                    *(() if own else (model,))))
+        step = functools.partial(own or type(model).train_step, *(() if own else (model,)))
+        if mode is not None:
+            inner = step
+
+            def step(*args: Any, **kwargs: Any) -> Any:
+                with mode():
+                    return inner(*args, **kwargs)
+        object.__setattr__(model, "train_step", step)
         try:
             model.make_train_function(force=True)
         finally:
@@ -503,8 +514,21 @@ class _FitDispatch:
 
     def sync(self) -> None:
         """Read the loss-scale state (at each ``fit``'s start: it may have moved in between)."""
-        self.state = self.monitor.optimizer.state
-        self.step = self.state.steps
+        self._state = self.monitor.optimizer.state
+        self._finite = 0  # finite steps since self._state, not yet folded in (see `state`)
+        self.step = self._state.steps
+
+    @property
+    def state(self) -> Any:
+        """The loss-scale state the next step starts from, by the reference algorithm. Finite steps
+        are counted on the host and folded in here, when a replay needs the state, rather than
+        each step: an unsampled step costs its host no more than the counter read."""
+        from ...core.loss_scale import next_state
+
+        for _ in range(self._finite):
+            self._state = next_state(self.monitor.optimizer.loss_scale_config, self._state, False)
+        self._finite = 0
+        return self._state
 
     def __call__(self, *args: Any) -> Any:
         backend = _backend()
@@ -536,17 +560,20 @@ class _FitDispatch:
                 record = monitor.record()
             self._advance(bool(record and record["found_inf"]))
             return out
-        with monitor._unsampled():
-            out = run(self.plain)
+        if self._mode_each_call:
+            with monitor._unsampled():
+                out = run(self.plain)
+        else:
+            out = run(self.plain)  # traced inside monitor._unsampled(): see _keras_train_function
         if backend == "jax" and self._own_at is None:
             index = {id(v): i for i, v in enumerate(opt.variables)}
             self._own_at = [index[id(v)] for v in opt._state_variables]
-        before = self.state
-        found_inf = self._skipped(out) != before.skipped  # the one read of an unsampled step
-        self._advance(found_inf)
-        if not found_inf:
+        if self._skipped(out) == self._state.skipped:  # the one read of an unsampled step
+            self._finite += 1
             monitor._count(step)
             return out
+        before = self.state
+        self._advance(True)
         self._replay(before, run, out)
         return out
 
@@ -566,8 +593,11 @@ class _FitDispatch:
     def _advance(self, found_inf: bool) -> None:
         from ...core.loss_scale import LossScaleError, next_state
 
+        if not found_inf:
+            self._finite += 1
+            return
         try:
-            self.state = next_state(self.monitor.optimizer.loss_scale_config, self.state, found_inf, warned=[True])
+            self._state = next_state(self.monitor.optimizer.loss_scale_config, self.state, True, warned=[True])
         except LossScaleError:
             self.sync()
 
