@@ -1,15 +1,18 @@
 """What ampbridge's numerics monitor costs a Keras ``fit`` epoch: none vs every=1 vs every=100.
 
 Same process, same model (the small transformer of bench_keras.py under mixed_float16 with the
-norm and embedding pinned) and data; four copies with the same weights, each compiled once:
-no monitor, ``MonitorCallback(every=1)``, ``every=100``, and ``every=100`` with
+norm and embedding pinned) and data; six copies with the same weights, each compiled once:
+no monitor, a second one (the control: its ratio is the machine's noise), one with a callback
+that only has a batch-end hook (what any such callback costs: the host then waits for each
+step), ``MonitorCallback(every=1)``, ``every=100``, and ``every=100`` with
 ``attribution=False`` (what the per-step forward/backward flags cost). Epochs rotate between
-the copies, and each one's median epoch time is compared with the unmonitored copy's (median,
-IQR of the paired per-round ratios, rounds). Exact counts too: the ops of one traced train step
+the copies; each round's epoch time is divided by the unmonitored copy's in the same round
+(median, IQR and number of these paired ratios; the CPU ratio likewise with this process's CPU
+time, Keras's and XLA's threads included). Exact counts too: the ops of one traced train step
 (TensorFlow graph ops, JAX StableHLO ops) as an unsampled step runs it (the function
 MonitorCallback's dispatch runs between samples) and as a sampled step does.
 
-Usage: python benchmarks/bench_monitor_keras.py [--backends tensorflow[,jax,torch]] [--rounds N]
+Usage: python benchmarks/bench_monitor_keras.py [--backends tensorflow[,jax,torch]] [--rounds N] [--steps N]
 Each backend runs in its own process (Keras picks its backend at import).
 """
 
@@ -25,7 +28,8 @@ import sys
 import tempfile
 import time
 
-CONFIGS = (("none", None), ("every=1", dict(every=1)), ("every=100", dict(every=100)),
+CONFIGS = (("none", None), ("none again (control)", None), ("a batch-end callback", "batch-end"),
+           ("every=1", dict(every=1)), ("every=100", dict(every=100)),
            ("every=100, no attribution", dict(every=100, attribution=False)))
 
 
@@ -63,6 +67,14 @@ def run_one(backend: str, rounds: int, steps: int) -> dict:
         keep_float32=("kind:norm", "kind:embedding"),
         loss_scale=ampbridge.LossScaleConfig(initial_scale=2.0 ** 15, growth_interval=1000))
     folder = tempfile.mkdtemp()
+
+    class BatchEnd(keras.callbacks.Callback):
+        """Any callback with a batch-end hook (Keras's own ProgbarLogger at verbose=1 is one):
+        Keras then reads each step's logs and runs the callbacks on the calling thread, so the
+        host waits for each step; without one it hands them to a thread of its own."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            pass
     models, callbacks = {}, {}
     weights = None
     for name, kwargs in CONFIGS:
@@ -74,16 +86,24 @@ def run_one(backend: str, rounds: int, steps: int) -> dict:
         ak.apply(model, policy)
         model.compile(ak.optimizer(keras.optimizers.Adam(1e-3), policy), loss)
         models[name] = model
-        callbacks[name] = [] if kwargs is None else [ak.MonitorCallback(os.path.join(folder, f"{len(callbacks)}.jsonl"),
-                                                                        **kwargs)]
+        if kwargs is None:
+            callbacks[name] = []
+        elif kwargs == "batch-end":
+            callbacks[name] = [BatchEnd()]
+        else:
+            callbacks[name] = [ak.MonitorCallback(os.path.join(folder, f"{len(callbacks)}.jsonl"), **kwargs)]
+
+    cpu: dict[str, list[float]] = {name: [] for name, _ in CONFIGS}
 
     def epoch(name: str) -> float:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         models[name].fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks[name])
+        cpu[name].append(time.process_time() - start_cpu)
         return time.perf_counter() - start
 
     for name, _ in CONFIGS:
         epoch(name)  # compile / warm up
+        cpu[name].clear()
     times: dict[str, list[float]] = {name: [] for name, _ in CONFIGS}
     names = [name for name, _ in CONFIGS]
     for i in range(rounds):
@@ -94,16 +114,19 @@ def run_one(backend: str, rounds: int, steps: int) -> dict:
     for name in names:
         median = statistics.median(times[name])
         paired = sorted(a / b for a, b in zip(times[name], times["none"]))
-        result["configs"].append({"name": name, "s": median, "ratio": median / base,
+        paired_cpu = [a / b for a, b in zip(cpu[name], cpu["none"])]
+        result["configs"].append({"name": name, "s": median, "ratio": statistics.median(paired),
+                                  "cpu_ratio": statistics.median(paired_cpu),
                                   "iqr": (paired[len(paired) // 4], paired[(3 * len(paired)) // 4]), "n": len(paired),
                                   "min_ratio": min(times[name]) / min(times["none"]),
                                   "per_step_ms": 1000 * (median - base) / steps})
+    result["dispatch_us"] = _dispatch_host_us(models["every=100"], callbacks["every=100"][0], epoch)
     counts = {}
     count = {"tensorflow": _tf_graph_ops, "jax": _hlo_ops}.get(backend)
     if count is not None:
         for name, model in models.items():
             # unsampled: the function MonitorCallback's dispatch runs between samples; sampled: the other
-            monitor = callbacks[name][0].monitor if callbacks[name] else None
+            monitor = getattr(callbacks[name][0], "monitor", None) if callbacks[name] else None
             with monitor._unsampled() if monitor is not None else contextlib.nullcontext():
                 unsampled = count(model, x[:batch], y[:batch])
             counts[name] = (unsampled, count(model, x[:batch], y[:batch]))
@@ -111,8 +134,48 @@ def run_one(backend: str, rounds: int, steps: int) -> dict:
         c["ops"] = counts.get(c["name"])
     for cb in callbacks.values():
         for c in cb:
-            c.close()
+            getattr(c, "close", lambda: None)()
     return result
+
+
+def _dispatch_host_us(model, callback, epoch) -> float:
+    """MonitorCallback's own host work per unsampled step, in microseconds: the time in its
+    dispatch less the time in Keras's train function and in the one read (median over an epoch's
+    unsampled steps; Keras's data iterator, which every step runs, is included)."""
+    dispatch = callback._dispatch
+    plain, skipped = dispatch.plain, dispatch._skipped
+    inner = [0.0]
+
+    def timed(fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                inner[0] += time.perf_counter() - start
+        return run
+
+    own = []
+
+    class Timed(type(dispatch)):
+        def __call__(self, *args):
+            inner[0] = 0.0
+            start = time.perf_counter()
+            step = self.step
+            out = super().__call__(*args)
+            if step % self.monitor.every:
+                own.append(time.perf_counter() - start - inner[0])
+            return out
+
+    dispatch.plain, dispatch._skipped = timed(plain), timed(skipped)
+    dispatch.__class__ = Timed
+    try:
+        epoch("every=100")
+    finally:
+        dispatch.__class__ = Timed.__mro__[1]
+        dispatch.plain = plain
+        del dispatch._skipped  # the method again
+    return 1e6 * statistics.median(own)
 
 
 def _tf_graph_ops(model, x, y) -> int:
@@ -152,15 +215,17 @@ def main(argv: list[str]) -> int:
             print(f"{backend}: failed\n{proc.stderr[-2000:]}")
             return 1
         r = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"Keras {r['backend']}: fit epoch of {r['steps']} steps, median of {r['rounds']} rotated rounds; "
-              "ratio = monitored / unmonitored")
-        print(f"  {'monitor':<27} {'epoch s':>8} {'ratio':>6} {'paired IQR':>11} {'n':>3} {'min ratio':>9} {'ms/step':>8} {'ops: unsampled/sampled':>22}")
+        print(f"Keras {r['backend']}: fit epoch of {r['steps']} steps, {r['rounds']} rotated rounds; ratio: the median "
+              "of the per-round ratios monitored / unmonitored (wall time; CPU ratio: this process's CPU time)")
+        print(f"  {'monitor':<27} {'epoch s':>8} {'ratio':>6} {'paired IQR':>11} {'n':>3} {'min ratio':>9} {'CPU ratio':>9} {'ms/step':>8} {'ops: unsampled/sampled':>22}")
         for c in r["configs"]:
             ops = "" if c["ops"] is None else "%d/%d" % tuple(c["ops"])
-            print(f"  {c['name']:<27} {c['s']:>8.3f} {c['ratio']:>6.3f} {'%.3f-%.3f' % tuple(c['iqr']):>11} {c['n']:>3} {c['min_ratio']:>9.3f} "
+            print(f"  {c['name']:<27} {c['s']:>8.3f} {c['ratio']:>6.3f} {'%.3f-%.3f' % tuple(c['iqr']):>11} {c['n']:>3} {c['min_ratio']:>9.3f} {c['cpu_ratio']:>9.3f} "
                   f"{c['per_step_ms']:>+8.2f} {ops:>22}")
         print("  host reads per unsampled step: one 4-byte scalar (the skipped-step counter) when monitored; "
               "a sampled step reads its record")
+        print(f"  dispatch host work per unsampled step (every=100; Keras's data iterator included): "
+              f"{r['dispatch_us']:.0f} us")
     return 0
 
 
