@@ -569,7 +569,7 @@ class _FitDispatch:
             index = {id(v): i for i, v in enumerate(opt.variables)}
             self._own_at = [index[id(v)] for v in opt._state_variables]
         if self._skipped(out) == self._state.skipped:  # the one read of an unsampled step
-            self._finite += 1
+            self._advance(False)
             monitor._count(step)
             return out
         before = self.state
