@@ -9,8 +9,9 @@ interquartile range and round count, and exact counts per step (host syncs =
 ``aten._local_scalar_dense``, casts = ``aten._to_copy``, the monitor's device-to-host transfers,
 aten ops) on an unsampled and on a sampled step. Two optimizers: a for-loop SGD (the scaler reads
 found_inf, one sync per step as in torch: an unsampled step runs no probe, a non-finite one is
-replayed) and a fused AdamW (no sync: the host never learns found_inf, so the probes stay on and
-unsampled steps wait on the device, read with the next sampled one).
+replayed) and a fused AdamW (no sync: on the CPU device found_inf already lies in host memory and
+the monitor reads its four bytes, no aten op, so it too replays instead of probing; on an
+accelerator the probes would stay on, which this CPU run does not measure).
 
 Usage: python benchmarks/bench_monitor_torch.py [--rounds N] [--quick] [--threads N]
 """

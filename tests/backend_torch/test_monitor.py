@@ -215,52 +215,87 @@ def test_every_100_samples_steps_0_100_200_and_logs_every_skip(tmp_path):
                                                     "last_step": 200}
 
 
-def test_host_syncs_and_transfers(helpers, tmp_path, counter, monkeypatch):
+@pytest.mark.parametrize("case", ["ordinary", "fused", "fused, flag on a device"])
+def test_host_syncs_and_transfers(helpers, tmp_path, counter, monkeypatch, case):
     """No monitor: one read per step (ordinary optimizer), none (fused); the monitor adds no read
-    on an unsampled finite step and exactly one transfer on a sampled or a non-finite step. With a
-    fused optimizer the host never learns found_inf: the skipped step waits on the device and is
-    read with the next sampled step (its attribution intact)."""
+    on an unsampled finite step and exactly one transfer on a sampled or a non-finite step. A
+    fused optimizer on the CPU device: the monitor reads found_inf from host memory (no aten op),
+    so the skipped step is logged at once. Where the flag lies in device memory (an accelerator,
+    stood in for here) the host never learns found_inf: the skipped step waits on the device and
+    is read with the next sampled step (its attribution intact)."""
     transfers = []
     real = torch_monitor._to_host
     monkeypatch.setattr(torch_monitor, "_to_host", lambda t: transfers.append(t.numel()) or real(t))
-    for fused, reads in ((False, 1), (True, 0)):
+    if case == "fused, flag on a device":
+        monkeypatch.setattr(torch_monitor, "_flag_in_host_memory", lambda found: None)
+    fused = case != "ordinary"
+    model = chain()
+    amp = abt.apply(model, "mixed_float16")
+    # (torch's for-loop Adam reads its step counters: SGD is the ordinary optimizer here)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused else \
+        torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = data(7)
+    plan = {3: lambda: helpers.big_weights(model[2], 1e5)}
+    counts = []
+    monitor = amp.monitor(tmp_path / "run.jsonl", every=5)
+    for i, (x, y) in enumerate(batches):
+        transfers.clear()
+        with plan.get(i, contextlib.nullcontext)():
+            with counter() as c:
+                result = amp.step(loss_fn(model(x), y), opt)
+        opt.zero_grad()
+        counts.append((c.syncs, len(transfers)))
+        assert bool(result) == (i != 3)
+    monitor.close()
+    if case == "fused, flag on a device":  # 0 and 5 sampled: step 3 is read at step 5
+        assert counts == [(0, 1), (0, 0), (0, 0), (0, 0), (0, 0), (0, 1), (0, 0)]
+    elif fused:  # no sync, and the skipped step is read (and replayed) at once
+        assert counts == [(0, 1), (0, 0), (0, 0), (0, 1), (0, 0), (0, 1), (0, 0)]
+    else:
+        assert counts == [(1, 1), (1, 0), (1, 0), (1, 1), (1, 0), (1, 1), (1, 0)]
+    log = read_log(tmp_path / "run.jsonl")
+    steps = by_step(log)
+    assert sorted(steps) == [0, 3, 5] and steps[3]["skipped"]
+    # the step that waited on the device counts as skipped in the closing record too
+    assert (log.end["steps"], log.end["skipped"], log.end["last_step"]) == (7, 1, 6)
+    assert steps[3]["first_nonfinite"] == {"path": "2", "where": "output"}
+    # a skipped step read at the step (not one that waited on the device) has every layer's statistics
+    assert bool(steps[3]["layers"]) == (case != "fused, flag on a device")
+    model2 = chain()  # without a monitor: the same reads
+    amp2 = abt.apply(model2, "mixed_float16")
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3, fused=True) if fused else \
+        torch.optim.SGD(model2.parameters(), lr=1e-3)
+    x, y = batches[0]
+    with counter() as c:
+        amp2.step(loss_fn(model2(x), y), opt2)
+    assert c.syncs == (0 if fused else 1)
+
+
+def test_a_fused_optimizer_s_skipped_step_has_the_statistics_of_an_ordinary_one(tmp_path):
+    """A fused optimizer's overflow check leaves the gradients scaled (its kernel unscales them,
+    and skips on an overflow): the skipped step's layer statistics, read at the step on the CPU
+    device, equal those of the same step under a for-loop Adam, whose scaler unscaled in place."""
+    layers = {}
+    for fused in (False, True):
         model = chain()
         amp = abt.apply(model, "mixed_float16")
-        # (torch's for-loop Adam reads its step counters: SGD is the ordinary optimizer here)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused else \
-            torch.optim.SGD(model.parameters(), lr=1e-3)
-        batches = data(7)
-        plan = {3: lambda: helpers.big_weights(model[2], 1e5)}
-        counts = []
-        monitor = amp.monitor(tmp_path / f"run-{fused}.jsonl", every=5)
-        for i, (x, y) in enumerate(batches):
-            transfers.clear()
-            with plan.get(i, contextlib.nullcontext)():
-                with counter() as c:
-                    result = amp.step(loss_fn(model(x), y), opt)
-            opt.zero_grad()
-            counts.append((c.syncs, len(transfers)))
-            if not fused:
-                assert bool(result) == (i != 3)
-        monitor.close()
-        if fused:  # 0 and 5 sampled: step 3 is read at step 5
-            assert counts == [(0, 1), (0, 0), (0, 0), (0, 0), (0, 0), (0, 1), (0, 0)]
-        else:
-            assert counts == [(1, 1), (1, 0), (1, 0), (1, 1), (1, 0), (1, 1), (1, 0)]
-        log = read_log(tmp_path / f"run-{fused}.jsonl")
-        steps = by_step(log)
-        assert sorted(steps) == [0, 3, 5] and steps[3]["skipped"]
-        # the step that waited on the device counts as skipped in the closing record too
-        assert (log.end["steps"], log.end["skipped"], log.end["last_step"]) == (7, 1, 6)
-        assert steps[3]["first_nonfinite"] == {"path": "2", "where": "output"}
-        model2 = chain()  # without a monitor: the same reads
-        amp2 = abt.apply(model2, "mixed_float16")
-        opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3, fused=True) if fused else \
-            torch.optim.SGD(model2.parameters(), lr=1e-3)
-        x, y = batches[0]
-        with counter() as c:
-            amp2.step(loss_fn(model2(x), y), opt2)
-        assert c.syncs == reads
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused, foreach=False if not fused else None)
+        with amp.monitor(tmp_path / f"run-{fused}.jsonl", every=5):
+            for i, (x, y) in enumerate(data(3)):
+                model[3].armed = i == 1  # layers 4 and 6 keep finite gradients
+                assert bool(amp.step(loss_fn(model(x), y), opt)) == (i != 1)
+                opt.zero_grad()
+        step = by_step(read_log(tmp_path / f"run-{fused}.jsonl"))[1]
+        assert step["skipped"] and step["first_nonfinite"] == {"path": "3", "where": "gradient"}
+        layers[fused] = step["layers"]
+    assert sorted(layers[True]) == sorted(layers[False]) == ["0", "2", "4", "6"]
+    for path, ordinary in layers[False].items():
+        for key, value in ordinary.items():
+            if value is None:
+                assert layers[True][path][key] is None, (path, key)
+            else:  # the two Adams' first steps agree to rounding, not bit for bit
+                assert layers[True][path][key] == pytest.approx(value, rel=1e-3, abs=1e-12, nan_ok=True), (path, key)
+    assert layers[True]["6"]["nonfinite"] == 0 and layers[True]["6"]["grad_max_abs"] > 0  # not vacuous
 
 
 def test_the_monitor_does_not_change_training(helpers, tmp_path):

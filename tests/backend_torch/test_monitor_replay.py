@@ -64,7 +64,9 @@ def armed(boom):
 
 
 OPTIMIZERS = {"SGD": lambda p: torch.optim.SGD(p, lr=0.01),
-              "Adam": lambda p: torch.optim.Adam(p, lr=1e-3)}  # for-loop Adam (CPU default)
+              "Adam": lambda p: torch.optim.Adam(p, lr=1e-3),  # for-loop Adam (CPU default)
+              # no host sync: on the CPU device the monitor reads found_inf from host memory
+              "fused AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)}
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -81,9 +83,9 @@ def test_an_unsampled_step_dispatches_what_a_step_without_a_monitor_dispatches(o
         per_step = []
         for i, (x, y) in enumerate(data(9)):
             with armed(model[4]) if i == 6 else contextlib.nullcontext(), counter() as c:
-                applied = bool(amp.step(loss_fn(model(x), y), opt))
+                result = amp.step(loss_fn(model(x), y), opt)
             opt.zero_grad()
-            assert applied == (i != 6)
+            assert bool(result) == (i != 6)  # (read outside the count: a fused step's result reads its flag)
             per_step.append(c.ops)
         if monitor is not None:
             monitor.close()
@@ -91,7 +93,11 @@ def test_an_unsampled_step_dispatches_what_a_step_without_a_monitor_dispatches(o
     for i in (1, 2, 3, 4, 5, 7, 8):  # step 0: sampled (and probed: the monitor learns its case)
         assert ops[True][i] == ops[False][i], i
     plain = ops[False][1]
-    assert plain["_to_copy"] > 0 and plain["_local_scalar_dense"] >= 1  # the counts are not vacuous
+    assert plain["_to_copy"] > 0  # the counts are not vacuous
+    if optimizer == "fused AdamW":  # no sync without a monitor, none with one
+        assert plain["_local_scalar_dense"] == 0
+    else:  # the scaler's read (and the for-loop Adam's step counters)
+        assert plain["_local_scalar_dense"] >= 1
     assert sum(ops[True][0].values()) > sum(ops[False][0].values())  # a sampled step does read statistics
     steps = {s["step"]: s for s in read_log(tmp_path / "run.jsonl").steps}
     assert sorted(steps) == [0, 6]
@@ -180,3 +186,34 @@ def test_a_step_that_cannot_be_replayed_falls_back_to_the_parameter_gradients(tm
     assert "could not replay the non-finite step" in str(warning.message)
     step = {s["step"]: s for s in read_log(tmp_path / "run.jsonl").steps}[2]
     assert step["first_nonfinite"] == {"path": "3", "where": "gradient"}  # Linear 3's weight gradient
+
+
+def test_outputs_from_one_autograd_node_keep_their_own_gradients(tmp_path):
+    """Two unequal pieces of one split (one autograd node, outputs 0 and 1) and a parameter handed
+    back as is (a leaf): the replay seeds each with its own recorded gradient (a mix-up would not
+    even fit the shapes, and would warn) and names the layer whose gradient overflowed."""
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = chain()[:7]  # up to the ReLU: 16 features
+            self.bias = nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            small, large = self.net(x).float().split([4, 12], dim=-1)  # float32: no output cast after it
+            return small, large, self.bias
+
+    model = Split()
+    amp = abt.apply(model, "mixed_float16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp.monitor(tmp_path / "run.jsonl", every=100), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(data(4)):
+            with armed(model.net[4]) if i == 2 else contextlib.nullcontext():
+                small, large, bias = model(x)
+                loss = 0.05 * (small.float().sum(-1, keepdim=True) - y).square().mean() \
+                    + 0.01 * large.float().square().mean() + bias.square().sum()
+                assert bool(amp.step(loss, opt)) == (i != 2)
+            opt.zero_grad()
+    assert not [w for w in caught if issubclass(w.category, ampbridge.errors.AmpBridgeWarning)]
+    step = {s["step"]: s for s in read_log(tmp_path / "run.jsonl").steps}[2]
+    assert step["skipped"] and step["first_nonfinite"] == {"path": "net.4", "where": "gradient"}

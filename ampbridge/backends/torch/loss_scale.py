@@ -120,6 +120,13 @@ class GradScaler(torch.amp.GradScaler):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._agree_group[0])
         return found
 
+    def _check_inf_per_device(self, optimizer: Any) -> dict[str, Any]:
+        # a fused optimizer's check: its gradients are read, not unscaled (its kernel unscales them,
+        # or on an overflow leaves them as they are)
+        if self._monitor is not None:
+            self._monitor._kept_scaled(optimizer)
+        return super()._check_inf_per_device(optimizer)
+
     def agree_across(self, group: Any = None) -> None:
         """All-reduce ``found_inf`` (MAX) over ``group`` (None: the default group) at every unscale,
         so an overflow on any rank skips the step, and moves the scale, on every rank: one scalar

@@ -6,6 +6,7 @@ Holds ``Monitor`` and ``_to_host`` (its one device-to-host transfer per logged s
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import warnings
@@ -29,6 +30,19 @@ _PENDING_LIMIT = 1000
 def _to_host(values: torch.Tensor) -> list[float]:
     """The monitor's one device-to-host transfer for a logged step (tests count the calls)."""
     return values.to("cpu").tolist()
+
+
+def _flag_in_host_memory(found: torch.Tensor | None) -> bool | None:
+    """found_inf (> 0) where it already lies in host memory (the CPU device), else None.
+
+    A CPU tensor's value is computed by the time its op returns, so this waits for nothing: it
+    reads the four bytes at ``data_ptr()`` (no aten op: ``.item()`` and ``.numpy()`` dispatch
+    one). On an accelerator the same read would wait for the device, which a fused optimizer's
+    loop never does, so there the monitor keeps the flag on the device instead."""
+    if (found is None or type(found) is not torch.Tensor or found.device.type != "cpu"
+            or found.dtype is not torch.float32 or found.numel() != 1):
+        return None
+    return ctypes.c_float.from_address(found.data_ptr()).value > 0
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -77,6 +91,8 @@ def _tensor_leaves(out: Any) -> list[Any]:
     return leaves
 
 
+_NO_KWARGS: dict[str, Any] = {}  # shared by every recorded call without keywords (only ever read)
+
 #: forwards kept for a replay between two steps (a loop that only runs forwards does not grow it)
 _CALLS_LIMIT = 64
 
@@ -116,11 +132,13 @@ class Monitor:
     state, host-side): on a non-finite step, skipped, so parameters and optimizer state are as
     before it, the monitor *replays* that step's forwards with the probes on (same inputs, same
     RNG, same autocast; buffers and RNG restored after) and runs their backward from the
-    recorded output gradients with ``torch.autograd.grad`` (``.grad`` untouched). With a fused
-    optimizer, ``skip_nonfinite = false`` or mode none without skipping, the host never learns
-    found_inf and the step is not replayable later, so the probes stay on every step (two small
-    device ops per leaf, no host sync) and those steps wait on the device, read with the next
-    sampled step (at the latest every 1000 steps). The first step a monitor sees is probed (it
+    recorded output gradients with ``torch.autograd.grad`` (``.grad`` untouched). A fused
+    optimizer on the CPU device is the same case: its found_inf already lies in host memory, and
+    the monitor reads those four bytes (no aten op, nothing to wait for). With a fused optimizer
+    on an accelerator, ``skip_nonfinite = false`` or mode none without skipping, the host never
+    learns found_inf and the step is not replayable later, so the probes stay on every step (two
+    small device ops per leaf, no host sync) and those steps wait on the device, read with the
+    next sampled step (at the latest every 1000 steps). The first step a monitor sees is probed (it
     learns which case it is in). Modules with ``inplace=True`` get no input probe (an in-place
     op on a probed input would lose it); a leaf whose output holds inf on purpose (an additive
     mask) would be named first: pass ``attribution=False`` or keep the mask out of a module.
@@ -185,6 +203,7 @@ class Monitor:
         self._loss: torch.Tensor | None = None
         self._stats: tuple[torch.Tensor, list[tuple[str, int]]] | None = None
         self._took_grads = False
+        self._still_scaled: set[int] = set()  # this step's parameters whose gradients a fused optimizer left scaled
         self._pending: list[_Pending] = []
         self._writer: Any = None
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps seen, the first and last step number (the closing record)
@@ -265,7 +284,9 @@ class Monitor:
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         # host-side copies (no aten op, no device sync: CUDA's is the philox seed and offset)
-        device = getattr(torch, self._amp.device_type, None) if self._amp.device_type != "cpu" else None
+        if self._amp.device_type == "cpu":
+            return torch.random.default_generator.get_state(), None
+        device = getattr(torch, self._amp.device_type, None)
         accel = device.get_rng_state() if device is not None and hasattr(device, "get_rng_state") and \
             getattr(device, "is_initialized", lambda: True)() else None
         return torch.random.default_generator.get_state(), accel
@@ -283,20 +304,30 @@ class Monitor:
             self._calls_lost = True
             del self._calls[0]
         device = self._amp.device_type
-        self._calls.append(_Call(args, dict(kwargs), self._rng_state(),
+        self._calls.append(_Call(args, dict(kwargs) if kwargs else _NO_KWARGS, self._rng_state(),
                                  (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)), {}))
 
     def _record_outputs(self, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled() or not self._calls or self._views is not None or module is not self._amp.model:
             return
         grads = self._calls[-1].grads
-        for k, t in enumerate(_tensor_leaves(out)):
+        # a pre-hook on the node that made the output: what a tensor hook is underneath, at half the
+        # host time (this runs on every forward)
+        for k, t in enumerate((out,) if type(out) is torch.Tensor else _tensor_leaves(out)):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(functools.partial(self._record_output_grad, grads, k))
+                if t.grad_fn is None:  # a leaf handed back as an output
+                    t.register_hook(functools.partial(self._record_output_grad, grads, k))
+                else:
+                    t.grad_fn.register_prehook(functools.partial(self._record_node_grad, grads, k, t.output_nr))
 
     @staticmethod
     def _record_output_grad(grads: dict[int, torch.Tensor], k: int, grad: torch.Tensor) -> None:
         grads[k] = grad
+
+    @staticmethod
+    def _record_node_grad(grads: dict[int, torch.Tensor], k: int, index: int, node_grads: tuple[Any, ...]) -> None:
+        if node_grads[index] is not None:
+            grads[k] = node_grads[index]
 
     def _replay(self, calls: list[_Call]) -> _Flags:
         """The probes' flags of a skipped step, by running its forwards (and backwards from the
@@ -402,14 +433,18 @@ class Monitor:
         if step % self.every == 0:
             self._stats = self._layer_stats(scale)
 
-    def _layer_stats(self, scale: torch.Tensor | None, unscaled: bool = False
+    def _kept_scaled(self, optimizer: Any) -> None:
+        self._still_scaled.update(id(p) for group in optimizer.param_groups for p in group["params"])
+
+    def _layer_stats(self, scale: torch.Tensor | None, unscaled: bool = False, still_scaled: set[int] = frozenset()
                      ) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
         """Per layer on the device: finite count, max |g/S|, sum (g/S)^2, zeros, below the smallest
         subnormal once unscaled (zeros included), zero once unscaled, beyond the compute max (scaled).
 
         ``unscaled``: the gradients were already divided by ``scale`` (the scaler's in-place
         unscale; exact for a power-of-two scale, and non-finite values stay non-finite), so the
-        scaled values are ``g * S``."""
+        scaled values are ``g * S``; except the parameters in ``still_scaled`` (a fused
+        optimizer's check reads its gradients without unscaling them)."""
         from ...core.dtypes import formats
 
         plan, facts, acc = self._amp.plan, formats(), self._acc
@@ -426,7 +461,7 @@ class Monitor:
             zero = (a == 0).sum()
             finite = (a < math.inf).sum()  # a = |g|: false for inf and nan
             a.nan_to_num_(0.0, 0.0, 0.0)
-            if unscaled:
+            if unscaled and not any(id(p) in still_scaled for p in params):
                 over = (a * scale.to(acc) > fmt.max).sum() if scale is not None else (a > fmt.max).sum()
             else:
                 over = (a > fmt.max).sum()
@@ -440,7 +475,10 @@ class Monitor:
     def _step_done(self, step: int, found: torch.Tensor | None, known: bool | None, scale: torch.Tensor | None,
                    skip: bool) -> None:
         """Called by the scaler's update() before the scale moves; ``known``: found_inf if the host read it."""
+        if known is None and skip:  # a fused optimizer skipped on the device
+            known = _flag_in_host_memory(found)
         self._took_grads = False
+        still_scaled, self._still_scaled = self._still_scaled, set()
         self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
         if self._order_hooks:  # the first forward showed the order
             for handle in self._order_hooks:
@@ -467,7 +505,7 @@ class Monitor:
         if known and stats is None:
             # a non-finite step the host already knows of, its gradients still here (unscaled by
             # now): per-layer statistics on every such step, at no cost to the finite ones
-            stats = self._layer_stats(scale, unscaled=True)
+            stats = self._layer_stats(scale, unscaled=True, still_scaled=still_scaled)
         acc = self._acc
         device = scale.device if scale is not None else torch.device(self._amp.device_type)
         # device values, read as one vector; the host tells non-finite maxima apart itself
