@@ -126,7 +126,8 @@ HOOKS: tuple[PrivateHook, ...] = (
     _h("GradScaler._unscale_grads_", "torch", "override: float16 grads when param_dtype asks; agree_across", _SCALER),
     _h("GradScaler._maybe_opt_step", "torch", "override: one read answers skip and min-scale check", _SCALER),
     _h("GradScaler._check_scale_growth_tracker", "torch", "torch's own state check in update()", _SCALER),
-    _h("GradScaler._check_inf_per_device", "torch", "fused path with skip_nonfinite = false", _SCALER),
+    _h("GradScaler._check_inf_per_device", "torch", "override: tells the monitor a fused step left its gradients"
+       " scaled; called in the fused path with skip_nonfinite = false", _SCALER),
     _h("GradScaler._get_scale_async", "torch", "fused path with skip_nonfinite = false", _SCALER),
     _h("GradScaler._step_supports_amp_scaling", "torch", "an optimizer's fused-AMP flag (torch reads it too)",
        _SCALER),
