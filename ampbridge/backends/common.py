@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import os
@@ -61,6 +62,23 @@ def resolve_policy(policy: Policy | str | os.PathLike[str], framework: str, devi
         return policy, notes
     policy, why = resolve_auto(policy, device(), warn=warn)
     return policy, notes + ((why,) if why else ())
+
+
+_C_TYPES = {"float32": ctypes.c_float, "int32": ctypes.c_int32}
+
+
+def read_host_scalar(address: int, dtype: str) -> float | int:
+    """The scalar of ``dtype`` ("float32", "int32") at ``address`` in host memory (a CPU tensor's
+    ``data_ptr()``), read without the framework: torch's ``.item()`` and ``.numpy()`` dispatch an
+    aten op each time (``_local_scalar_dense``, ``detach``), which the monitors keep off the
+    per-step path of a step that logs nothing.
+
+    Example:
+        >>> seven = ctypes.c_int32(7)
+        >>> read_host_scalar(ctypes.addressof(seven), "int32")
+        7
+    """
+    return _C_TYPES[dtype].from_address(address).value
 
 
 def import_framework(module: str, backend: str) -> ModuleType:

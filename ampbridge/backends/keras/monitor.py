@@ -17,6 +17,7 @@ from keras import ops
 
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
+from ..common import read_host_scalar
 from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refresh_compiled
 from .environment import _backend, _phase0
 from .layers import _children, layers
@@ -579,15 +580,13 @@ class _FitDispatch:
 
     def _skipped(self, out: Any) -> int:
         """The skipped-step counter after the step: one 4-byte read (on torch's CPU the counter's
-        own memory, read without an aten op: ``Tensor.numpy`` dispatches a ``detach``)."""
+        own memory, read without an aten op)."""
         backend = _backend()
         if backend == "jax":
             return int(_host(out[1][2][self._own_at[4]]))
         value = self.monitor.optimizer.skipped_steps.value
         if backend == "torch" and value.device.type == "cpu" and value.is_contiguous():
-            import ctypes
-
-            return int(np.frombuffer(ctypes.string_at(value.data_ptr(), 4), np.int32)[0])
+            return int(read_host_scalar(value.data_ptr(), "int32"))
         return int(_host(value))
 
     def _advance(self, found_inf: bool) -> None:

@@ -6,11 +6,11 @@ Holds ``Monitor`` and ``_to_host`` (its one device-to-host transfer per logged s
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ...errors import AmpBridgeWarning
+from ..common import read_host_scalar
 from .plan import _bypassed
 
 # --- the numerics monitor ----------------------------------------------------------------------
@@ -36,13 +37,12 @@ def _flag_in_host_memory(found: torch.Tensor | None) -> bool | None:
     """found_inf (> 0) where it already lies in host memory (the CPU device), else None.
 
     A CPU tensor's value is computed by the time its op returns, so this waits for nothing: it
-    reads the four bytes at ``data_ptr()`` (no aten op: ``.item()`` and ``.numpy()`` dispatch
-    one). On an accelerator the same read would wait for the device, which a fused optimizer's
+    reads the four bytes at ``data_ptr()`` (no aten op). On an accelerator the same read would wait for the device, which a fused optimizer's
     loop never does, so there the monitor keeps the flag on the device instead."""
     if (found is None or type(found) is not torch.Tensor or found.device.type != "cpu"
             or found.dtype is not torch.float32 or found.numel() != 1):
         return None
-    return ctypes.c_float.from_address(found.data_ptr()).value > 0
+    return read_host_scalar(found.data_ptr(), "float32") > 0
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -203,7 +203,7 @@ class Monitor:
         self._loss: torch.Tensor | None = None
         self._stats: tuple[torch.Tensor, list[tuple[str, int]]] | None = None
         self._took_grads = False
-        self._still_scaled: set[int] = set()  # this step's parameters whose gradients a fused optimizer left scaled
+        self._still_scaled: list[Any] = []  # this step's fused optimizers, whose gradients stay scaled
         self._pending: list[_Pending] = []
         self._writer: Any = None
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps seen, the first and last step number (the closing record)
@@ -434,20 +434,22 @@ class Monitor:
             self._stats = self._layer_stats(scale)
 
     def _kept_scaled(self, optimizer: Any) -> None:
-        self._still_scaled.update(id(p) for group in optimizer.param_groups for p in group["params"])
+        # the optimizer, not its parameters: they are only looked up on a non-finite step
+        self._still_scaled.append(optimizer)
 
-    def _layer_stats(self, scale: torch.Tensor | None, unscaled: bool = False, still_scaled: set[int] = frozenset()
+    def _layer_stats(self, scale: torch.Tensor | None, unscaled: bool = False, still_scaled: Sequence[Any] = ()
                      ) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
         """Per layer on the device: finite count, max |g/S|, sum (g/S)^2, zeros, below the smallest
         subnormal once unscaled (zeros included), zero once unscaled, beyond the compute max (scaled).
 
         ``unscaled``: the gradients were already divided by ``scale`` (the scaler's in-place
         unscale; exact for a power-of-two scale, and non-finite values stay non-finite), so the
-        scaled values are ``g * S``; except the parameters in ``still_scaled`` (a fused
-        optimizer's check reads its gradients without unscaling them)."""
+        scaled values are ``g * S``; except the parameters of the optimizers in ``still_scaled``
+        (a fused optimizer's check reads its gradients without unscaling them)."""
         from ...core.dtypes import formats
 
         plan, facts, acc = self._amp.plan, formats(), self._acc
+        scaled = {id(p) for opt in still_scaled for group in opt.param_groups for p in group["params"]}
         fallback = facts[self._amp.active_policy.compute_dtype]
         rows, meta = [], []
         for path, params in self._owned:
@@ -461,7 +463,7 @@ class Monitor:
             zero = (a == 0).sum()
             finite = (a < math.inf).sum()  # a = |g|: false for inf and nan
             a.nan_to_num_(0.0, 0.0, 0.0)
-            if unscaled and not any(id(p) in still_scaled for p in params):
+            if unscaled and not any(id(p) in scaled for p in params):
                 over = (a * scale.to(acc) > fmt.max).sum() if scale is not None else (a > fmt.max).sum()
             else:
                 over = (a > fmt.max).sum()
@@ -478,7 +480,7 @@ class Monitor:
         if known is None and skip:  # a fused optimizer skipped on the device
             known = _flag_in_host_memory(found)
         self._took_grads = False
-        still_scaled, self._still_scaled = self._still_scaled, set()
+        still_scaled, self._still_scaled = self._still_scaled, []
         self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
         if self._order_hooks:  # the first forward showed the order
             for handle in self._order_hooks:
