@@ -69,9 +69,10 @@ def run_one(backend: str, rounds: int, steps: int) -> dict:
     folder = tempfile.mkdtemp()
 
     class BatchEnd(keras.callbacks.Callback):
-        """Any callback with a batch-end hook (Keras's own ProgbarLogger at verbose=1 is one):
-        Keras then reads each step's logs and runs the callbacks on the calling thread, so the
-        host waits for each step; without one it hands them to a thread of its own."""
+        """Any callback passed to fit with a batch-end hook and no ``async_safe`` (Keras's own
+        ProgbarLogger counts only when passed explicitly): Keras then reads each step's logs and
+        runs the callbacks on the calling thread, so the host waits for each step; without one it
+        hands them to a thread of its own."""
 
         def on_train_batch_end(self, batch, logs=None):
             pass
@@ -222,8 +223,12 @@ def main(argv: list[str]) -> int:
             ops = "" if c["ops"] is None else "%d/%d" % tuple(c["ops"])
             print(f"  {c['name']:<27} {c['s']:>8.3f} {c['ratio']:>6.3f} {'%.3f-%.3f' % tuple(c['iqr']):>11} {c['n']:>3} {c['min_ratio']:>9.3f} {c['cpu_ratio']:>9.3f} "
                   f"{c['per_step_ms']:>+8.2f} {ops:>22}")
-        print("  host reads per unsampled step: one 4-byte scalar (the skipped-step counter) when monitored; "
-              "a sampled step reads its record")
+        if r["backend"] == "jax":
+            print("  host reads per unsampled step: none when monitored (the finite flags of the steps since a sample "
+                  "are read in one transfer at the next sample or the epoch's end); a sampled step reads its record")
+        else:
+            print("  host reads per unsampled step: one 4-byte scalar (the skipped-step counter) when monitored; "
+                  "a sampled step reads its record")
         print(f"  dispatch host work per unsampled step (every=100; Keras's data iterator included): "
               f"{r['dispatch_us']:.0f} us")
     return 0

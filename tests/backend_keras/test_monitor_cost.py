@@ -184,3 +184,90 @@ def test_the_last_step_of_each_epoch_nonfinite_is_replayed(kx, tmp_path):
     for a, b in zip(plain.weights, monitored.weights):
         assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
     np.testing.assert_array_equal(got["loss"], want["loss"])
+
+
+def test_jax_unsampled_steps_are_read_at_the_next_sample(kx, tmp_path, monkeypatch):
+    """JAX: an unsampled step is queued and not read (the host reads nothing from the device
+    between samples, so it queues ahead as without a monitor); its finite flag is read with the
+    window's others in one transfer at the next sample or the epoch's end, and a skipped step is
+    replayed from the window's saved state: its record equals, field for field (layer statistics
+    and loss included: the replay draws the step's own dropout mask), the record a run that
+    samples every step logged, and the run stays bit-identical to an unmonitored one."""
+    if BACKEND != "jax":
+        import pytest
+
+        pytest.skip("the late read is Keras-on-JAX's (TensorFlow and torch read each step at the step)")
+    import jax
+
+    from ampbridge.backends.keras import monitor as monitor_module
+
+    x, y = _data(12, poisoned=(7,))
+    plain, _ = _model(kx)
+    want = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    logs = {}
+    for every in (1, 5):
+        model, callbacks = _model(kx, monitored_path=tmp_path / f"{every}.jsonl", every=every)
+        if every == 5:
+            reads, windows = [], []
+            device_get, flush = jax.device_get, monitor_module._FitDispatch.flush
+            monkeypatch.setattr(jax, "device_get", lambda tree: reads.append(tree) or device_get(tree))
+            monkeypatch.setattr(monitor_module, "_host", lambda value: reads.append(value) or np.asarray(value))
+
+            def spy(self):
+                windows.append([step for step, _, _ in self._window])
+                return flush(self)
+            monkeypatch.setattr(monitor_module._FitDispatch, "flush", spy)
+            late_step = monitor_module._FitDispatch._late_step
+
+            def unread(self, *args):
+                before = len(reads)
+                out = late_step(self, *args)
+                assert len(reads) == before  # queued, nothing read
+                return out
+            monkeypatch.setattr(monitor_module._FitDispatch, "_late_step", unread)
+        got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
+        callbacks[0].close()
+        monkeypatch.undo()
+        logs[every] = {s["step"]: s for s in read_log(tmp_path / f"{every}.jsonl").steps}
+        np.testing.assert_array_equal(got["loss"], want["loss"])
+        for a, b in zip(plain.weights, model.weights):
+            assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
+    # windows flushed at the samples 5 and 10, at the epoch's end, then (empty) at the end of fit and close
+    assert [w for w in windows if w] == [[1, 2, 3, 4], [6, 7, 8, 9], [11]]
+    assert sorted(logs[5]) == [0, 5, 7, 10]
+    np.testing.assert_equal(logs[5][7], logs[1][7])  # NaN statistics (every gradient non-finite) equal too
+    assert logs[5][7]["skipped"] and 0 < logs[5][7]["layers"]["boom"]["nonfinite"] < 1
+
+
+def test_jax_a_window_that_cannot_be_rerun_is_said_and_logged_bare(kx, tmp_path):
+    """A batch changed in place after fit used it (as a data source that refills one array would):
+    the rerun cannot reproduce fit's step, so the monitor says so by name and logs the skipped
+    step without statistics, rather than a replay of other data; training is untouched."""
+    if BACKEND != "jax":
+        import pytest
+
+        pytest.skip("the late read is Keras-on-JAX's")
+    import pytest
+
+    x, y = _data(6, poisoned=(3,))
+    model, callbacks = _model(kx, monitored_path=tmp_path / "run.jsonl")
+    dispatch = []
+
+    class Refill(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:  # step 3's batch, kept for the window's replay, overwritten in place
+                dispatch.append(callbacks[0]._dispatch)
+                step, data, flag = dispatch[0]._window[2]
+                assert step == 3
+                if isinstance(data[0], np.ndarray):  # Keras 3.15 hands the step numpy arrays
+                    data[0][...] = 1.0
+                else:  # 3.12 JAX arrays (immutable): the same change, made by replacing the batch
+                    dispatch[0]._window[2] = (step, (np.ones_like(data[0]),) + tuple(data[1:]), flag)
+    with pytest.warns(ampbridge.AmpBridgeWarning, match=r"rerunning step 3 .* changed in place"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks + [Refill()])
+    callbacks[0].close()
+    log = read_log(tmp_path / "run.jsonl")
+    assert [(s["step"], s["skipped"], s["first_nonfinite"], s["layers"]) for s in log.steps] == [
+        (0, False, None, log.steps[0]["layers"]), (3, True, None, {})]
+    assert log.steps[0]["layers"] and log.end["steps"] == 6 and log.end["skipped"] == 1
+    assert model.optimizer.state.skipped == 1

@@ -98,6 +98,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._step_verified = False  # the first-step guard (_verified_apply) has passed
         self._handed: int | None = None  # gradients handed to the inner optimizer (first step only)
         self._monitor: _MonitorSpec | None = None  # set by ampbridge.keras.Monitor
+        self._finite_out: list[Any] | None = None  # set while MonitorCallback traces: the step's finite flag
         self._monitor_variables: list[Any] = []
         self._monitor_cache: tuple[tuple[int, ...], Any] | None = None
         # the state Keras's class has no variable for, as its own entry of a weights file (a
@@ -388,6 +389,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         where = [next(i for i, v in enumerate(self._variables) if v is s) for s in self._state_variables]
         flags = self._finite_flags(grads) if self._monitor is not None else None
         finite = self.check_finite(grads) if flags is None else _all(flags)
+        if self._finite_out is not None:
+            self._finite_out.append(finite)
         if not _host_checks_after:
             self._guard_traced(finite)
         scale = own[where[1]]
