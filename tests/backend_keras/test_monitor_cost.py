@@ -271,3 +271,35 @@ def test_jax_a_window_that_cannot_be_rerun_is_said_and_logged_bare(kx, tmp_path)
         (0, False, None, log.steps[0]["layers"]), (3, True, None, {})]
     assert log.steps[0]["layers"] and log.end["steps"] == 6 and log.end["skipped"] == 1
     assert model.optimizer.state.skipped == 1
+
+
+def test_jax_windows_are_read_at_least_every_window_steps(kx, tmp_path, monkeypatch):
+    """every=1000 samples only step 0 here, yet the window is read every _WINDOW steps (4 in this
+    test: fewer batches kept, fewer steps a replay reruns): the skip at 6 is replayed from the
+    second window's saved state and named, and the run stays bit-identical."""
+    if BACKEND != "jax":
+        import pytest
+
+        pytest.skip("the late read is Keras-on-JAX's")
+    from ampbridge.backends.keras import monitor as monitor_module
+
+    monkeypatch.setattr(monitor_module, "_WINDOW", 4)
+    x, y = _data(12, poisoned=(6,))
+    plain, _ = _model(kx)
+    want = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    model, callbacks = _model(kx, monitored_path=tmp_path / "run.jsonl", every=1000)
+    windows, flush = [], monitor_module._FitDispatch.flush
+
+    def spy(self):
+        windows.append([step for step, _, _ in self._window])
+        return flush(self)
+    monkeypatch.setattr(monitor_module._FitDispatch, "flush", spy)
+    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
+    callbacks[0].close()
+    assert [w for w in windows if w] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
+    log = read_log(tmp_path / "run.jsonl")
+    assert [s["step"] for s in log.steps] == [0, 6] and log.end["steps"] == 12 and log.end["skipped"] == 1
+    assert log.steps[1]["first_nonfinite"] == {"path": "boom", "where": "output"}
+    np.testing.assert_array_equal(got["loss"], want["loss"])
+    for a, b in zip(plain.weights, model.weights):
+        assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
