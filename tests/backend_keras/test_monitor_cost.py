@@ -199,7 +199,7 @@ def test_jax_unsampled_steps_are_read_at_the_next_sample(kx, tmp_path, monkeypat
         pytest.skip("the late read is Keras-on-JAX's (TensorFlow and torch read each step at the step)")
     import jax
 
-    from ampbridge.backends.keras import monitor as monitor_module
+    from ampbridge.backends.keras import sampling
 
     x, y = _data(12, poisoned=(7,))
     plain, _ = _model(kx)
@@ -209,22 +209,22 @@ def test_jax_unsampled_steps_are_read_at_the_next_sample(kx, tmp_path, monkeypat
         model, callbacks = _model(kx, monitored_path=tmp_path / f"{every}.jsonl", every=every)
         if every == 5:
             reads, windows = [], []
-            device_get, flush = jax.device_get, monitor_module._FitDispatch.flush
+            device_get, flush = jax.device_get, sampling._FitDispatch.flush
             monkeypatch.setattr(jax, "device_get", lambda tree: reads.append(tree) or device_get(tree))
-            monkeypatch.setattr(monitor_module, "_host", lambda value: reads.append(value) or np.asarray(value))
+            monkeypatch.setattr(sampling, "_host", lambda value: reads.append(value) or np.asarray(value))
 
             def spy(self):
                 windows.append([step for step, _, _ in self._window])
                 return flush(self)
-            monkeypatch.setattr(monitor_module._FitDispatch, "flush", spy)
-            late_step = monitor_module._FitDispatch._late_step
+            monkeypatch.setattr(sampling._FitDispatch, "flush", spy)
+            late_step = sampling._FitDispatch._late_step
 
             def unread(self, *args):
                 before = len(reads)
                 out = late_step(self, *args)
                 assert len(reads) == before  # queued, nothing read
                 return out
-            monkeypatch.setattr(monitor_module._FitDispatch, "_late_step", unread)
+            monkeypatch.setattr(sampling._FitDispatch, "_late_step", unread)
         got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
         callbacks[0].close()
         monkeypatch.undo()
@@ -281,19 +281,19 @@ def test_jax_windows_are_read_at_least_every_window_steps(kx, tmp_path, monkeypa
         import pytest
 
         pytest.skip("the late read is Keras-on-JAX's")
-    from ampbridge.backends.keras import monitor as monitor_module
+    from ampbridge.backends.keras import sampling
 
-    monkeypatch.setattr(monitor_module, "_WINDOW", 4)
+    monkeypatch.setattr(sampling, "_WINDOW", 4)
     x, y = _data(12, poisoned=(6,))
     plain, _ = _model(kx)
     want = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     model, callbacks = _model(kx, monitored_path=tmp_path / "run.jsonl", every=1000)
-    windows, flush = [], monitor_module._FitDispatch.flush
+    windows, flush = [], sampling._FitDispatch.flush
 
     def spy(self):
         windows.append([step for step, _, _ in self._window])
         return flush(self)
-    monkeypatch.setattr(monitor_module._FitDispatch, "flush", spy)
+    monkeypatch.setattr(sampling._FitDispatch, "flush", spy)
     got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
     callbacks[0].close()
     assert [w for w in windows if w] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
