@@ -325,14 +325,12 @@ class Monitor:
 
     def _unreplayed(self, step: int, scale: float) -> None:
         """A skipped step that could not be replayed: logged with what the host knows."""
-        seen, first, _ = self._seen
-        self._seen = (seen + 1, first if seen else step, step)
-        self._next_step = step + 1
+        self._count(step)
         self._writer.step(step, loss=None, loss_scale=scale, found_inf=True, skipped=True, layers={},
                           first_nonfinite=None)
 
     def _count(self, step: int) -> None:
-        """A step that was not read (an unsampled finite fit step): counted for the closing record."""
+        """A step seen (read or not: an unsampled finite fit step is not): counted for the closing record."""
         seen, first, _ = self._seen
         self._seen = (seen + 1, first if seen else step, step)
         self._next_step = step + 1
@@ -423,8 +421,7 @@ class Monitor:
         param_first, sampled = int(head_v[5]), bool(head_v[6])
         if expected is not None and step == expected - 1:
             return None  # no optimizer step since the last record: already logged (or not to be)
-        self._next_step = step + 1
-        self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
+        self._count(step)
         if sampled and not want_stats:  # record() was not called after every step: read them now
             stats_v = _fetch([stats])
         else:

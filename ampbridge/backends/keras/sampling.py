@@ -155,8 +155,6 @@ class _FitDispatch:
                 out = run(self.plain)
         else:
             out = run(self.plain)  # traced inside monitor._unsampled(): see _keras_train_function
-        if backend == "jax" and self._own_at is None:
-            self._find_own()
         if self._skipped(out) == self._state.skipped:  # the one read of an unsampled step
             self._advance(False)
             monitor._count(step)
@@ -166,15 +164,18 @@ class _FitDispatch:
         self._replay(before, run, out[1] if backend == "jax" else None)
         return out
 
-    def _find_own(self) -> None:
-        opt = self.monitor.optimizer
-        index = {id(v): i for i, v in enumerate(opt.variables)}
-        self._own_at = [index[id(v)] for v in opt._state_variables]
+    def _own_places(self) -> list[int]:
+        """JAX: the loss-scale state's places in the optimizer values (found once)."""
+        if self._own_at is None:
+            opt = self.monitor.optimizer
+            index = {id(v): i for i, v in enumerate(opt.variables)}
+            self._own_at = [index[id(v)] for v in opt._state_variables]
+        return self._own_at
 
     def _late_step(self, step: int, state: Any, data: Any) -> Any:
         """An unsampled JAX step: queued, not read. The host keeps its batch and finite flag (an
         output of the step, not of the donated state); the first step of a window also keeps a
-        copy of the state it starts from (one copy program per ``every`` steps). :meth:`flush`
+        copy of the state it starts from (one copy program per window). :meth:`flush`
         reads the flags at the next sample, when they have long arrived, so the host never waits
         for an unsampled step and keeps queueing ahead as it does without a monitor."""
         if self._origin is None:
@@ -212,18 +213,12 @@ class _FitDispatch:
                 for _, earlier, _ in window[done:i]:
                     (_, again), state = self.plain(state, iter([earlier]))
                     rerun.append(again)
-                state = self._rerun_agrees(state, rerun, flags[done:i], window[done][0] if rerun else step)
+                start = _copy_state(state)  # the state the skipped step started from
+                (_, again), state = self.plain(state, iter([batch]))  # the skipped step itself, as fit ran it
+                state = self._rerun_agrees(state, rerun + [again], flags[done:i] + [False], window[done][0])
             if state is None:  # not replayable: the step is logged with what the host knows
                 self.monitor._unreplayed(step, before.scale)
                 continue
-            start = _copy_state(state)
-            (_, again), state = self.plain(state, iter([batch]))  # the skipped step itself, as fit ran it
-            state = self._rerun_agrees(state, [again], [False], step)
-            if state is None:
-                self.monitor._unreplayed(step, before.scale)
-                continue
-            if self._own_at is None:
-                self._find_own()
 
             def run(fn: Any, replay_state: Any, batch: Any = batch) -> Any:
                 return fn(replay_state, iter([batch]))
@@ -250,7 +245,7 @@ class _FitDispatch:
         own memory, read without an aten op)."""
         backend = _backend()
         if backend == "jax":
-            return int(_host(out[1][2][self._own_at[4]]))
+            return int(_host(out[1][2][self._own_places()[4]]))
         value = self.monitor.optimizer.skipped_steps.value
         if backend == "torch" and value.device.type == "cpu" and value.is_contiguous():
             return int(read_host_scalar(value.data_ptr(), "int32"))
@@ -277,7 +272,7 @@ class _FitDispatch:
 
             trainable, non_trainable, opt_values, metrics = _copy_state(state)  # the replay donates it
             opt_values = list(opt_values)
-            for at, value in zip(self._own_at, own):
+            for at, value in zip(self._own_places(), own):
                 opt_values[at] = jnp.asarray(value, opt_values[at].dtype)
             _, replayed = run(self.stats, (trainable, non_trainable, opt_values, metrics))
             monitor.record(non_trainable_variables=replayed[1], optimizer_variables=replayed[2])
