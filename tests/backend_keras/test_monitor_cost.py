@@ -225,6 +225,8 @@ def test_jax_unsampled_steps_are_read_at_the_next_sample(kx, tmp_path, monkeypat
                 assert len(reads) == before  # queued, nothing read
                 return out
             monkeypatch.setattr(sampling._FitDispatch, "_late_step", unread)
+            copies, copy_state = [], sampling._copy_state
+            monkeypatch.setattr(sampling, "_copy_state", lambda state: copies.append(1) or copy_state(state))
         got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
         callbacks[0].close()
         monkeypatch.undo()
@@ -234,6 +236,7 @@ def test_jax_unsampled_steps_are_read_at_the_next_sample(kx, tmp_path, monkeypat
             assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
     # windows flushed at the samples 5 and 10, at the epoch's end, then (empty) at the end of fit and close
     assert [w for w in windows if w] == [[1, 2, 3, 4], [6, 7, 8, 9], [11]]
+    assert len(copies) == 4  # one state copy per window, and one for step 7's replay (which donates it)
     assert sorted(logs[5]) == [0, 5, 7, 10]
     np.testing.assert_equal(logs[5][7], logs[1][7])  # NaN statistics (every gradient non-finite) equal too
     assert logs[5][7]["skipped"] and 0 < logs[5][7]["layers"]["boom"]["nonfinite"] < 1

@@ -213,7 +213,7 @@ class _FitDispatch:
                 for _, earlier, _ in window[done:i]:
                     (_, again), state = self.plain(state, iter([earlier]))
                     rerun.append(again)
-                start = _copy_state(state)  # the state the skipped step started from
+                start = _copy_state(state)  # the state the skipped step started from (the replay donates it)
                 (_, again), state = self.plain(state, iter([batch]))  # the skipped step itself, as fit ran it
                 state = self._rerun_agrees(state, rerun + [again], flags[done:i] + [False], window[done][0])
             if state is None:  # not replayable: the step is logged with what the host knows
@@ -222,7 +222,7 @@ class _FitDispatch:
 
             def run(fn: Any, replay_state: Any, batch: Any = batch) -> Any:
                 return fn(replay_state, iter([batch]))
-            self._replay(before, run, start)
+            self._replay(before, run, start, disposable=True)
             done = i + 1
 
     def _rerun_agrees(self, state: Any, rerun: list[Any], flags: list[bool], first: int) -> Any:
@@ -262,7 +262,9 @@ class _FitDispatch:
         except LossScaleError:
             self.sync()
 
-    def _replay(self, before: Any, run: Any, state: Any) -> None:
+    def _replay(self, before: Any, run: Any, state: Any, disposable: bool = False) -> None:
+        """Run the statistics function on the step ``run`` runs, from ``state`` (JAX; copied first
+        unless ``disposable``: the function donates it) and the loss-scale state ``before``."""
         monitor, opt, model = self.monitor, self.monitor.optimizer, self.monitor.model
         own = [before.good_steps, np.float32(before.scale), before.hysteresis_left, before.steps, before.skipped]
         opt._monitor.host_step = 0  # torch samples on the host: this step is
@@ -270,7 +272,7 @@ class _FitDispatch:
         if _backend() == "jax":
             import jax.numpy as jnp
 
-            trainable, non_trainable, opt_values, metrics = _copy_state(state)  # the replay donates it
+            trainable, non_trainable, opt_values, metrics = state if disposable else _copy_state(state)
             opt_values = list(opt_values)
             for at, value in zip(self._own_places(), own):
                 opt_values[at] = jnp.asarray(value, opt_values[at].dtype)
