@@ -151,3 +151,12 @@ def jax_device_reads() -> Iterator[dict[str, int]]:
     finally:
         kind._value, kind.copy_to_host_async, kind.block_until_ready = value, copy, block
         jax.block_until_ready = wait
+
+
+def deepspeed_fp16() -> bool:
+    """Whether DeepSpeed builds a float16 engine on this machine: its CPU accelerator accepts
+    float16 only where torch's oneDNN has float16 kernels (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``:
+    true on the Intel VMs, false on the AMD ones) and otherwise refuses the engine with a ValueError."""
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())

@@ -205,8 +205,17 @@ def test_fsdp2_dcp_checkpoint_resumes_exactly(fsdp_runs):
 # --- DeepSpeed -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
+def _need_deepspeed_fp16():
+    from ampbridge._testing import deepspeed_fp16
+
+    if not deepspeed_fp16():
+        pytest.skip("DeepSpeed refuses a float16 engine on this CPU (its CPU accelerator needs "
+                    "torch.ops.mkldnn._is_mkldnn_fp16_supported(), false here)")
+
+
 def test_deepspeed_engine_from_the_policy_follows_the_promised_trajectory(tmp_path):
     pytest.importorskip("deepspeed")
+    _need_deepspeed_fp16()
     from ampbridge._testing import DeepSpeedDynamicLossScaler
     from ampbridge.recipes import deepspeed_releases
 
@@ -244,6 +253,7 @@ def test_deepspeed_engine_from_the_policy_follows_the_promised_trajectory(tmp_pa
 @pytest.mark.slow
 def test_deepspeed_two_ranks_skip_together_and_match_one_process(tmp_path):
     pytest.importorskip("deepspeed")
+    _need_deepspeed_fp16()
     from ampbridge._testing import DeepSpeedDynamicLossScaler
     from ampbridge.recipes import deepspeed_releases
 

@@ -355,10 +355,14 @@ def test_nan_step_table_from_real_engines_agrees_with_the_reading():
     import subprocess
     import sys
 
+    from ampbridge._testing import deepspeed_fp16
+
     configs = []
     for precision in ({"bf16": {"enabled": True}}, {"bf16": {"enabled": True, "check_grad_overflow": False}},
                       {"bf16": {"enabled": True, "check_grad_overflow": True}}, {},
                       {"fp16": {"enabled": True, "initial_scale_power": 4}}):
+        if "fp16" in precision and not deepspeed_fp16():
+            continue  # DeepSpeed refuses float16 engines on this CPU (its oneDNN has no float16 kernels)
         configs += [{**precision, "zero_optimization": {"stage": stage}} for stage in range(4)]
     configs.append({"bf16": {"enabled": True, "check_grad_overflow": False}, "zero_optimization": {"stage": 1},
                     "data_types": {"grad_accum_dtype": "fp32"}})
