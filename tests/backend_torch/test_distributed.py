@@ -204,7 +204,6 @@ def test_fsdp2_dcp_checkpoint_resumes_exactly(fsdp_runs):
 
 # --- DeepSpeed -----------------------------------------------------------------------------------
 
-@pytest.mark.slow
 def _need_deepspeed_fp16():
     from ampbridge._testing import deepspeed_fp16
 
@@ -213,6 +212,7 @@ def _need_deepspeed_fp16():
                     "torch.ops.mkldnn._is_mkldnn_fp16_supported(), false here)")
 
 
+@pytest.mark.slow
 def test_deepspeed_engine_from_the_policy_follows_the_promised_trajectory(tmp_path):
     pytest.importorskip("deepspeed")
     _need_deepspeed_fp16()
