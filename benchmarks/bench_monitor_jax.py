@@ -24,12 +24,13 @@ Reported: per compiled program, lowered StableHLO ops (``jax.jit(step).lower(...
 (``.compile().as_text()``) and host callbacks (must be 0); per unsampled step of the train loop,
 the device reads (array values read, asynchronous copies to the host, waits), counted over 99
 unsampled steps with and without the monitor; step time: all variants in one process,
-interleaved round by round (rotating order), each round ``--steps`` steps ending with
+in pairs: each round times every variant (rotating order) beside a block of the loop without a
+monitor (the pair's order alternating round by round), each block ``--steps`` steps ending with
 ``block_until_ready``; per variant the median, interquartile range and number of rounds of the
-per-round ratio variant / no monitor (wall time, and this process's CPU time, XLA's threads
+per-pair ratio variant / no monitor (wall time, and this process's CPU time, XLA's threads
 included).
 
-Usage: python benchmarks/bench_monitor_jax.py [--rounds 31] [--steps 100] [--dim 64] [--only "every=100 (wrap)"]
+Usage: python benchmarks/bench_monitor_jax.py [--rounds 41] [--steps 100] [--dim 64] [--only "every=100 (wrap)"]
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def host_callbacks(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--only", default="", help="comma-separated train-loop variants to time (default: all; "
@@ -181,22 +182,33 @@ def main() -> None:
     # both blocks end with one block_until_ready of the parameters (the loop's own)
 
     names = list(variants)
+    others = [name for name in names if name != "no monitor"]
     times = collections.defaultdict(list)
     cpu = collections.defaultdict(list)
+    ratios = {name: [1.0] * args.rounds if name == "no monitor" else [] for name in names}
+    cpu_ratios = {name: list(values) for name, values in ratios.items()}
+
+    def block(name):
+        t0, c0 = time.perf_counter(), time.process_time()
+        variants[name][0](args.steps)
+        wall, process = (time.perf_counter() - t0) / args.steps, (time.process_time() - c0) / args.steps
+        times[name].append(wall)
+        cpu[name].append(process)
+        return wall, process
+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            variants[name][0](args.steps)
-            times[name].append((time.perf_counter() - t0) / args.steps)
-            cpu[name].append((time.process_time() - c0) / args.steps)
+        # each variant's block is timed beside a block of the loop without a monitor, the pair's
+        # order alternating round by round and the variants' order rotating, so each ratio
+        # compares neighbours in time and drifting load hits both sides alike
+        for name in others[r % len(others):] + others[:r % len(others)]:
+            measured = {n: block(n) for n in (("no monitor", name) if r % 2 == 0 else (name, "no monitor"))}
+            ratios[name].append(measured[name][0] / measured["no monitor"][0])
+            cpu_ratios[name].append(measured[name][1] / measured["no monitor"][1])
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     for _, _, monitor in variants.values():
         if monitor is not None:
             monitor.close()
-    ratios = {name: [t / b for t, b in zip(times[name], times["no monitor"])] for name in names}
-    cpu_ratios = {name: [t / b for t, b in zip(cpu[name], cpu["no monitor"])] for name in names}
 
     def same_as_plain(name):
         if name not in variants:
@@ -228,8 +240,8 @@ def main() -> None:
         table.append((name, f"{statistics.median(times[name]) * 1e3:.3f}", spread(ratios[name]),
                       f"{statistics.median(cpu_ratios[name]):.3f}"))
     show(table)
-    print(f"\n{args.rounds} interleaved rounds of {args.steps} steps each (every round of the every=100 variants "
-          "holds one sampled step)")
+    print(f"\n{args.rounds} interleaved rounds; in each, every variant's block of {args.steps} steps timed beside one of "
+          "the loop without a monitor (every block of the every=100 variants holds one sampled step)")
 
 
 def show(rows) -> None:

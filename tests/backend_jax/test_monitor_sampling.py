@@ -277,6 +277,14 @@ def test_a_resumed_run_between_samples_and_a_donated_state(tmp_path):
         params, opt_state, _ = train(params, opt_state, x * (300.0 if i == 2 else 1.0), y)
     with pytest.raises(ValueError, match="was donated .donate_argnums., so skipped steps can be neither found nor replayed"):
         monitor.flush()
+    # past two sampled steps: the first sends the donated window's counters (skipping deleted
+    # arrays), the second reads them and names the donation (not JAX's "Array has been deleted")
+    amp, params, opt_state, *_ = start(big=2000.0)
+    train = abj.Monitor(tmp_path / "donated-sampled.jsonl", amp, x, every=3).wrap(donating)
+    with pytest.raises(ValueError, match="the state of steps 0-1 was donated .donate_argnums."):
+        for i in range(7):
+            params, opt_state, _ = train(params, opt_state, x, y)
+    assert i == 6  # raised at the second sampled step after the window, where its counters are read
 
 
 def test_wrap_errors(tmp_path):

@@ -511,9 +511,9 @@ class Monitor:
 
     def _open(self, order: Sequence[str] = ()) -> Any:
         """Write the header: the Plan's paths in forward order (the order the step called them)."""
-        from ...diagnostics.runlog import RunLogWriter
-
         if self._writer is None:
+            from ...diagnostics.runlog import RunLogWriter
+
             position = {p: i for i, p in enumerate(order)}
             rows = [r.path for r in self.plan if r.path]
             layers = sorted(rows, key=lambda p: (position.get(p, len(position)), rows.index(p)))
@@ -633,12 +633,17 @@ class Monitor:
             raise ValueError(f"Monitor.wrap: start={start!r}; accepted: an int >= 0 (the first call's step)")
         self._calls = start
 
+        held_for: dict[tuple[type, ...], list[int]] = {}  # by argument types: no isinstance walk per step
+
         def run(*args: Any, **kwargs: Any) -> Any:
-            nnx = sys.modules.get("flax.nnx")
-            held = [k for k, a in enumerate(args) if nnx is not None and isinstance(a, nnx.Pytree)]
+            kinds = tuple(map(type, args))
+            held = held_for.get(kinds)
+            if held is None:
+                nnx = sys.modules.get("flax.nnx")
+                held = held_for[kinds] = [k for k, a in enumerate(args) if nnx is not None and isinstance(a, nnx.Pytree)]
             n = self._calls
-            self._calls += 1
-            sample = self.due(n)
+            self._calls = n + 1
+            sample = n % self.every == 0
             if not held and len(args) < carry:
                 raise ValueError(f"Monitor.wrap: {len(args)} positional argument(s); with carry={carry} the "
                                  f"first {carry} are the training state")
@@ -662,7 +667,7 @@ class Monitor:
                                      f"its first {carry} outputs are the next call's first arguments")
                 state_now = tuple(out[:carry])
             if sample:
-                stats = _numerics_in(out)
+                stats = _numerics_in(out if held else out[carry:])
                 if stats is None:
                     raise ValueError("Monitor.wrap: a sampled step returned no Numerics; pass sample to "
                                      "ampbridge.jax.numerics(..., sample=sample) and return its stats")
@@ -670,13 +675,16 @@ class Monitor:
                 if self._closing is not None:
                     closing, self._closing = self._closing, None
                     self._settle(closing)
+                scale_at = None
                 if self._window is not None and self._window.inputs:  # sent now, read next sample
                     for leaf in jax.tree_util.tree_leaves((self._window.before, self._window.states[-1])):
-                        leaf.copy_to_host_async()
+                        if hasattr(leaf, "copy_to_host_async") and not leaf.is_deleted():
+                            leaf.copy_to_host_async()  # (a donated one is said by name when read)
                     self._closing = self._window
+                    scale_at = self._window.scale_at  # where the loss-scale state was: no walk
                 self.record(n, stats)
                 self._window = _Window(step, carry, held, _snapshot(state_now, bool(held)), n + 1,
-                                       *_scale_state(state_now), state_now)
+                                       *_scale_state(state_now, scale_at), state_now)
             else:
                 rest = tuple(a for k, a in enumerate(args) if k not in held) if held else args[carry:]
                 if kwargs:
@@ -694,11 +702,15 @@ class Monitor:
         window that starts after its last step."""
         if not window.inputs:
             return window
-        if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree_util.tree_leaves(
-                (window.start, window.before, window.states[:-1]))):
-            raise ValueError(f"Monitor.wrap: the state of steps {window.first - 1}-{window.first + len(window.inputs) - 2} "
-                             "was donated (donate_argnums), so skipped steps can be neither found nor replayed: "
-                             "do not donate the carried arguments of a wrapped step")
+
+        def refuse_donated(*parts: Any) -> None:
+            if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree_util.tree_leaves(parts)):
+                raise ValueError(f"Monitor.wrap: the state of steps {window.first - 1}-"
+                                 f"{window.first + len(window.inputs) - 2} was donated (donate_argnums), so skipped "
+                                 "steps can be neither found nor replayed: do not donate the carried arguments "
+                                 "of a wrapped step")
+
+        refuse_donated(window.before)  # a donated carry deletes it first; the rest is looked at before a replay
         after = _Window(window.step, window.carry, window.held, _snapshot(window.latest, bool(window.held)),
                         window.first + len(window.inputs), window.states[-1], window.scale_at, window.latest)
         def counters(states: list) -> list[tuple[int, int]]:  # one read; the fields taken on the host
@@ -707,6 +719,7 @@ class Monitor:
         start, end = counters([window.before, window.states[-1]])
         if end[0] == start[0] and end[1] - start[1] == len(window.inputs):
             return after  # no step skipped (each advanced the counter, none counted a skip)
+        refuse_donated(window.start, window.states[:-1])
         counters = counters(window.states)
         bad, previous = [], start
         for k, now in enumerate(counters):
