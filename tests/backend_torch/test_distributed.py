@@ -212,6 +212,31 @@ def _need_deepspeed_fp16():
                     "torch.ops.mkldnn._is_mkldnn_fp16_supported(), false here)")
 
 
+def test_deepspeed_engine_the_accelerator_refuses_is_refused_by_name(monkeypatch):
+    """DeepSpeed's own refusal names neither the policy nor the setting; ampbridge's comes first,
+    before deepspeed.initialize (no process group needed), listing the compute dtypes accepted."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    import ampbridge.torch as abt
+    from ampbridge.errors import UnsupportedOptionError
+
+    accelerator = get_accelerator()
+    monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: False)  # as on the AMD VM
+    monkeypatch.setattr(accelerator, "is_bf16_supported", lambda: True)
+    accept = ["loss_scale.growth_interval", "loss_scale.min_scale", "output_dtype"]
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(UnsupportedOptionError, match=r"^preset:mixed_float16: compute_dtype = 'float16' needs "
+                       r"DeepSpeed's fp16 engine, which its '\w+' accelerator refuses on this machine "
+                       r"\(is_fp16_supported\(\) is False.*accepted here: compute_dtype 'float32', 'bfloat16'$"):
+        abt.deepspeed_initialize(model, "mixed_float16", {"train_micro_batch_size_per_gpu": 1}, accept=accept)
+    monkeypatch.setattr(accelerator, "is_bf16_supported", lambda: False)
+    with pytest.raises(UnsupportedOptionError, match="compute_dtype = 'bfloat16' needs DeepSpeed's bf16 engine.*"
+                       "accepted here: compute_dtype 'float32'$"):
+        abt.deepspeed_initialize(model, "mixed_bfloat16", {"train_micro_batch_size_per_gpu": 1}, accept=accept)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing was cast
+
+
 @pytest.mark.slow
 def test_deepspeed_engine_from_the_policy_follows_the_promised_trajectory(tmp_path):
     pytest.importorskip("deepspeed")

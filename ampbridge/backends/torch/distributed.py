@@ -131,8 +131,31 @@ def deepspeed_initialize(model: "nn.Module | TorchAmp", policy: Policy | str | P
         raise UnsupportedOptionError(f"DeepSpeed {deepspeed.__version__} (ZeRO stage {stage}) cannot realise "
                                      + "; ".join(f"{loss.setting} = {loss.value!r}: {loss.reason}" for loss in refused)
                                      + " (accept=[...] names the settings you accept as they are)")
+    _refuse_unsupported_engine(conversion.result, as_policy(policy))
     module = amp.model if amp is not None else model
     return deepspeed.initialize(model=module, config={**config, **conversion.result}, **initialize_kwargs)
+
+
+def _refuse_unsupported_engine(sections: Mapping[str, Any], policy: Policy) -> None:
+    """Refuse by name, before DeepSpeed's bare ``Type fp16 is not supported on your device``, an
+    fp16/bf16 engine the accelerator says it cannot run (DeepSpeed's CPU accelerator: float16 only
+    where torch's oneDNN has float16 kernels)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from ...errors import UnsupportedOptionError
+
+    accelerator = get_accelerator()
+    engines = {"fp16": "float16", "bf16": "bfloat16"}
+    supported = {dtype: bool(getattr(accelerator, f"is_{section}_supported", lambda: True)())
+                 for section, dtype in engines.items()}
+    for section, dtype in engines.items():
+        if (sections.get(section) or {}).get("enabled") and not supported[dtype]:
+            accepted = ", ".join(repr(d) for d in ("float32", *(d for d, ok in supported.items() if ok)))
+            raise UnsupportedOptionError(
+                f"{policy.source or 'the policy'}: compute_dtype = {dtype!r} needs DeepSpeed's {section} engine, which "
+                f"its {getattr(accelerator, '_name', type(accelerator).__name__)!r} accelerator refuses on this machine "
+                f"(is_{section}_supported() is False; on a CPU: torch's oneDNN has no {dtype} kernels here); "
+                f"accepted here: compute_dtype {accepted}")
 
 
 # --- FSDP ----------------------------------------------------------------------------------------
