@@ -153,7 +153,7 @@ def _refuse_unsupported_engine(sections: Mapping[str, Any], policy: Policy) -> N
             accepted = ", ".join(repr(d) for d in ("float32", *(d for d, ok in supported.items() if ok)))
             raise UnsupportedOptionError(
                 f"{policy.source or 'the policy'}: compute_dtype = {dtype!r} needs DeepSpeed's {section} engine, which "
-                f"its {getattr(accelerator, '_name', type(accelerator).__name__)!r} accelerator refuses on this machine "
+                f"its {accelerator.device_name()!r} accelerator refuses on this machine "
                 f"(is_{section}_supported() is False; on a CPU: torch's oneDNN has no {dtype} kernels here); "
                 f"accepted here: compute_dtype {accepted}")
 
