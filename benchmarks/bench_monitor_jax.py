@@ -215,12 +215,15 @@ def main() -> None:
     reference = "no monitor again (control)"
 
     def same_as_plain(name):
+        """'(N steps): NAME True|False', or why it was not checked."""
         if name not in variants or reference not in variants:
-            return f"not run (needs {name!r} and {reference!r})"
-        if variants[name][1]["i"] != variants[reference][1]["i"]:
-            raise AssertionError(f"{name!r} ran {variants[name][1]['i']} steps, {reference!r} {variants[reference][1]['i']}")
-        return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+            return f": {name} not run (needs {name!r} and {reference!r})"
+        steps = variants[reference][1]["i"]
+        if variants[name][1]["i"] != steps:
+            raise AssertionError(f"{name!r} ran {variants[name][1]['i']} steps, {reference!r} {steps}")
+        same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
             jax.tree_util.tree_leaves(variants[reference][1]["p"]), jax.tree_util.tree_leaves(variants[name][1]["p"])))
+        return f" ({steps} steps): {name} {same}"
 
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
     print(f"model: conformance transformer dim={config.dim} hidden={config.hidden} seq={config.seq} "
@@ -229,8 +232,7 @@ def main() -> None:
     print(f"device: {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
           f"load average {load:.1f} before the timed rounds, {load_after:.1f} after ({os.cpu_count()} cores)")
     outputs = "every=100 (wrap), 'outputs'"
-    print(f"parameters bit-identical to the run without a monitor ({variants[reference][1]['i'] if reference in variants else 0} steps): "
-          f"{outputs} {same_as_plain(outputs)}")
+    print(f"parameters bit-identical to the run without a monitor{same_as_plain(outputs)}")
     print()
     base = counts["no monitor (abj.value_and_grad)"]
     table = [("compiled step", "lowered ops", "converts", "optimised HLO", "host callbacks")]
