@@ -274,14 +274,20 @@ def initial_loss_scale(config: Policy | LossScaleConfig | str) -> LossScaleState
 
 
 def _all_finite(tree: Any) -> jax.Array:
-    """Whether every floating leaf is finite: one boolean, carried through the leaves' reductions
-    (each AND-reduction starts from the previous result, ``x & x == x``), so the step's consumers
-    read one flag rather than one per leaf."""
+    """Whether every floating leaf of ``tree`` is finite, as one boolean.
+
+    The one finite check of this backend: the optimizer, ``value_and_grad`` and the monitor all call
+    it. Each leaf is reduced on its own and the flags are joined with ``&``. (A running flag passed as
+    ``lax.reduce``'s start value is not a fold: XLA may drop the start value of a reduction over one
+    element or none, which let a scalar, size-1 or empty last leaf decide alone.)
+
+    >>> bool(_all_finite({"w": jnp.array([1.0, jnp.inf]), "b": jnp.ones(())}))
+    False
+    """
     finite = jnp.ones((), bool)
     for leaf in jax.tree_util.tree_leaves(tree):
         if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            flags = jnp.isfinite(leaf)
-            finite = jax.lax.reduce(flags, finite, jax.lax.bitwise_and, tuple(range(flags.ndim)))
+            finite = finite & jnp.all(jnp.isfinite(leaf))
     return finite
 
 
