@@ -37,7 +37,7 @@ ORDERS = list(itertools.permutations(SHAPES))[::7]  # 18 of the 120 leaf orders;
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=lambda o: "-".join("x".join(map(str, s)) or "s" for s in o))
-@pytest.mark.parametrize("bad_value", [jnp.inf, jnp.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("bad_value", [jnp.inf, -jnp.inf, jnp.nan], ids=["inf", "-inf", "nan"])
 def test_every_nonempty_leaf_position_skips(order, bad_value):
     tx = abj.optimizer(optax.sgd(0.1), "mixed_float16")
     params = _tree(order, None, 0.0)

@@ -422,11 +422,10 @@ def _verify_first_update(finite: jax.Array, before: LossScaleState, after: LossS
     A finite step must advance ``steps`` by one and return the inner transformation's updates;
     else raises :class:`ampbridge.errors.UnsupportedOptionError` naming the jax and optax versions.
     Returns whether the check was made (False: traced, or a skipped step, which proves nothing)."""
-    try:
-        applied = bool(finite)  # finite, and not stopped by on_min_scale = "error"
-    except jax.errors.ConcretizationTypeError:  # traced (jit, scan, grad): no values to look at
-        return False
-    if not applied:
+    values = [finite, before.counters, after.counters, *jax.tree_util.tree_leaves((proposed, returned))]
+    if any(isinstance(v, jax.core.Tracer) for v in values):
+        return False  # traced (jit, scan, grad, an eager vmap): no values to look at
+    if not bool(finite):
         return False
     same = all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(jax.tree_util.tree_leaves(proposed),
                                                             jax.tree_util.tree_leaves(returned)))
