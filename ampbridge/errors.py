@@ -117,6 +117,10 @@ class AmpBridgeWarning(UserWarning):
     """Base class of ampbridge's warnings."""
 
 
+class LossyPolicyWarning(AmpBridgeWarning):
+    """A policy combination that loses precision or protection (``ampbridge.core.risks``)."""
+
+
 class UnmatchedRuleWarning(AmpBridgeWarning):
     """A pinning or override rule matched no layer of the model (usually a typo)."""
 

@@ -22,9 +22,10 @@ from typing import Any
 
 from ..core.io import PRESETS, load, preset
 from ..core.policy import Policy
+from ..core.risks import lossy_settings
 from ..diagnostics.environment import effective_policy
 from ..diagnostics.hardware import Device, resolve_auto
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, LossyPolicyWarning, warn_once
 
 #: the extra that installs each backend's framework
 EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "keras"}
@@ -46,10 +47,18 @@ def environment(policy: Policy | str | os.PathLike[str], framework: str, *,
     Plan note saying it replaced the one given (warned once per process, at the user's line)."""
     given = as_policy(policy)
     effective = effective_policy(given, framework, warn=warn)
+    if warn:
+        warn_lossy(effective)
     if effective is given:
         return given, ()
     return effective, (f"the environment replaced the policy given ({given.source or 'in code'}) with "
                        f"{effective.source or 'another'} (AMPBRIDGE_DISABLE / AMPBRIDGE_POLICY)",)
+
+
+def warn_lossy(policy: Policy) -> None:
+    """Warn once per process for each lossy combination of ``policy`` (``ampbridge.core.risks``)."""
+    for risk in lossy_settings(policy):
+        warn_once(f"{policy.source or 'policy'}: {risk}", LossyPolicyWarning)
 
 
 def resolve_policy(policy: Policy | str | os.PathLike[str], framework: str, device: Callable[[], Device | Any],

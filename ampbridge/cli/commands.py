@@ -25,6 +25,7 @@ from ..core import io as _io
 from ..core.dtypes import format_table, formats
 from ..core.plan import Plan, build_plan, layers_from_data
 from ..core.policy import Policy
+from ..core.risks import lossy_settings
 from ..errors import AmpBridgeError, PolicyError, Problem
 from .common import EXAMPLES, InputError, UsageError, defaults_notes, read_text
 
@@ -55,7 +56,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     status = 0
     for name in args.files:
         try:
-            _io.load(name)
+            policy = _io.load(name)
         except PolicyError as e:
             status = 1
             if len(e.problems) == 1:
@@ -67,6 +68,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 print(f"  {p}", file=sys.stderr)
         else:
             print(f"ok: {name}")
+            for risk in lossy_settings(policy):
+                print(f"warning: {name}: {risk}", file=sys.stderr)
     return status
 
 
