@@ -71,6 +71,19 @@ def compiled_instructions(text: str) -> int:
     return sum(1 for line in text.splitlines() if re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+ = ", line))
 
 
+#: ENTRY instructions that launch no kernel on the CPU (arguments, views, tuples, constants)
+_NOT_KERNELS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done")
+
+
+def entry_kernels(text: str) -> int:
+    """Kernels the compiled step runs: the optimised module's ENTRY instructions (each fusion,
+    dot, custom call or loop is one), less those that launch none (``_NOT_KERNELS``)."""
+    entry = text[text.index("ENTRY"):]
+    body = entry[entry.index("{") + 1:entry.index("\n}")]
+    ops = re.findall(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = [^=]*?\b([a-z][\w\-]*)\(", body, flags=re.M)
+    return sum(1 for op in ops if op not in _NOT_KERNELS)
+
+
 def host_callbacks(text: str) -> int:
     return len(re.findall(r"callback|outfeed|infeed|send\(|recv\(", text))
 
@@ -177,6 +190,7 @@ def measure(name: str, args) -> list[str]:
     ops_a, ops_j = lowered_ops(text_a), lowered_ops(text_j)
     compiled_a, compiled_j = lowered_a.compile(), lowered_j.compile()
     inst_a, inst_j = compiled_instructions(compiled_a.as_text()), compiled_instructions(compiled_j.as_text())
+    kern_a, kern_j = entry_kernels(compiled_a.as_text()), entry_kernels(compiled_j.as_text())
 
     # same numbers first: the comparison is only fair if both steps compute the same thing
     pa, sa = params, state_a
@@ -229,6 +243,7 @@ def measure(name: str, args) -> list[str]:
     leaves_a = len(jax.tree_util.tree_leaves(state_a))
     leaves_j = len(jax.tree_util.tree_leaves(state_j)) + len(scale_j)
     rows += [("optimised HLO instructions", str(inst_a), str(inst_j), f"{inst_a / inst_j:.3f}"),
+             ("compiled kernels (ENTRY fusions, dots, calls)", str(kern_a), str(kern_j), f"{kern_a - kern_j:+d}"),
              ("optimizer + loss-scale state leaves", str(leaves_a), str(leaves_j), "-"),
              ("host callbacks in the step", str(host_callbacks(text_a)), str(host_callbacks(text_j)), "-"),
              ("step ms, median (IQR, rounds)", spread(times_a, scale=1e3), spread(times_j, scale=1e3),
