@@ -586,6 +586,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits 2 on bad usage
     try:
         return int(args.run(args))
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 128 + SIGINT, wherever it landed
+        print(f"ampbridge {args.command}: interrupted", file=sys.stderr)
+        return 130
     except UsageError as e:
         print(f"ampbridge {args.command}: error: {e}", file=sys.stderr)
         return 2

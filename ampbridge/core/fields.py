@@ -105,11 +105,15 @@ def _number(*, low: float | None = None, low_open: bool = False, high: float | N
     return check
 
 
-def _integer(*, low: int, what: str) -> Callable[[Any], int]:
+#: the largest step count a backend can hold: JAX's and torch's loss-scale counters are int32
+INT32_MAX = 2 ** 31 - 1
+
+
+def _integer(*, low: int, what: str, high: int = INT32_MAX) -> Callable[[Any], int]:
     def check(v: Any) -> int:
         if not isinstance(v, int) or isinstance(v, bool):
             raise Invalid("must be an integer", what)
-        if v < low:
+        if not low <= v <= high:
             raise Invalid("out of range", what)
         return int(v)
 
@@ -183,10 +187,11 @@ LOSS_SCALE_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("backoff_factor", _number(low=0.0, low_open=True, high=1.0, high_open=True,
                                         what="a number strictly between 0 and 1"), 0.5,
               "multiplier on an overflow", {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
-    FieldSpec("growth_interval", _integer(low=1, what="an integer >= 1"), 2000,
-              "consecutive finite steps before growing", {"type": "integer", "minimum": 1}),
-    FieldSpec("hysteresis", _integer(low=1, what="an integer >= 1"), 1,
-              "overflows tolerated before backing off (DeepSpeed's meaning)", {"type": "integer", "minimum": 1}),
+    FieldSpec("growth_interval", _integer(low=1, what=f"an integer from 1 to {INT32_MAX} (int32 counters)"), 2000,
+              "consecutive finite steps before growing", {"type": "integer", "minimum": 1, "maximum": INT32_MAX}),
+    FieldSpec("hysteresis", _integer(low=1, what=f"an integer from 1 to {INT32_MAX} (int32 counters)"), 1,
+              "overflows tolerated before backing off (DeepSpeed's meaning)",
+              {"type": "integer", "minimum": 1, "maximum": INT32_MAX}),
     FieldSpec("consecutive_hysteresis", check_bool, False,
               "refill hysteresis on every finite step, not only at growth", {"type": "boolean"}),
     FieldSpec("min_scale", _number(low=0.0, low_open=True, high=FLOAT32_MAX, what=_POSITIVE_SCALE),

@@ -105,12 +105,12 @@ def _toml_lines(text: str, root: tuple[str, ...]) -> dict[KeyPath, int]:
     return lines
 
 
-def _yaml_module() -> Any:
+def _yaml_module(doing: str = "reading") -> Any:
     try:
         import yaml
     except ImportError:
         raise BackendUnavailableError(
-            "reading a YAML policy needs PyYAML. Install with: pip install 'ampbridge[yaml]'"
+            f"{doing} a YAML policy needs PyYAML. Install with: pip install 'ampbridge[yaml]'"
         ) from None
     return yaml
 
@@ -203,9 +203,63 @@ class _DuplicateKey(Exception):
     pass
 
 
+#: bounds on a document, far above any policy (which nests 4 deep and holds a few hundred values):
+#: a hostile one is refused in one line, before it costs memory or Python's recursion limit
+MAX_DEPTH = 32
+MAX_VALUES = 100_000
+
+
+def _bounded(where: str, what: str) -> PolicyError:
+    return PolicyError([Problem(f"{what}; a policy document nests at most {MAX_DEPTH} levels and holds at "
+                                f"most {MAX_VALUES} values", file=where)])
+
+
+def _check_bounds(data: Any, where: str) -> None:
+    """Refuse a parsed document nested deeper than MAX_DEPTH or holding more than MAX_VALUES values."""
+    stack, count = [(data, 0)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise _bounded(where, f"the document holds more than {MAX_VALUES} values")
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise _bounded(where, f"the document nests deeper than {MAX_DEPTH} levels")
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
+
+
+def _yaml_expanded(node: Any, depth: int, memo: dict[int, int], where: str) -> int:
+    """How many values a YAML node stands for once its aliases are expanded (each shared node is
+    counted once per use, computed once): an alias bomb is refused before anything walks it."""
+    if id(node) in memo:
+        return memo[id(node)]
+    if depth >= MAX_DEPTH:
+        raise _bounded(where, f"the document nests deeper than {MAX_DEPTH} levels")
+    children = node.value if isinstance(node.value, list) else []
+    total = 1
+    for child in children:
+        for part in (child if isinstance(child, tuple) else (child,)):
+            total += _yaml_expanded(part, depth + 1, memo, where)
+            if total > MAX_VALUES:
+                raise _bounded(where, f"the document expands to more than {MAX_VALUES} values through YAML "
+                                      "aliases (&anchor / *alias)")
+    memo[id(node)] = total
+    return total
+
+
 def _parse(text: str, fmt: str, source: str | None, root: tuple[str, ...] = ()) -> tuple[Any, Locate]:
     """Parse a document; return its data and a key-path -> line function."""
     where = source or "<string>"
+    try:
+        data, locate = _parse_unbounded(text, fmt, where, root)
+    except RecursionError:  # a parser's own recursion (JSON, TOML or YAML nested thousands deep)
+        raise _bounded(where, "the document nests too deep to read") from None
+    _check_bounds(data, where)
+    return data, locate
+
+
+def _parse_unbounded(text: str, fmt: str, where: str, root: tuple[str, ...]) -> tuple[Any, Locate]:
     if fmt == "toml":
         try:
             data: Any = tomllib.loads(text)
@@ -231,6 +285,8 @@ def _parse(text: str, fmt: str, source: str | None, root: tuple[str, ...] = ()) 
         yaml = _yaml_module()
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
+            if node is not None:
+                _yaml_expanded(node, 0, {}, where)
             data = yaml.load(text, Loader=yaml.SafeLoader)  # safe: never constructs objects
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
