@@ -8,7 +8,6 @@ Holds: _Watch, _WATCH, _watched, _watch, _watch_outputs, _watch_output_gradients
 from __future__ import annotations
 
 import contextvars
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .environment import _is_float_array
+from .loss_scale import _all_finite
 
 
 class _Watch:
@@ -44,7 +44,7 @@ def _watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
 
 
 def _any_nonfinite(xs: Sequence[jax.Array]) -> jax.Array:
-    return functools.reduce(jnp.logical_or, [~jnp.all(jnp.isfinite(x)) for x in xs], jnp.zeros((), bool))
+    return ~_all_finite(list(xs))  # the backend's one finite check (loss_scale._all_finite)
 
 
 def _flags(forward: Any, backward: Any) -> jax.Array:
