@@ -210,14 +210,21 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     read_text(args.log, "the log")  # missing, a directory, binary: one line naming it
     try:
-        log = read_log(args.log)
+        log = read_log(args.log, partial=True)
     except ValueError as e:
         raise InputError(str(e)) from None
+    if log.problem:  # the good part is reported; what ends it, in one line
+        print(f"ampbridge report: warning: {log.problem}", file=sys.stderr)
     summary = summarize(log)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
     if args.plot:
-        plot(log, args.plot)
-        print(f"plot written to {args.plot}")
+        target = Path(args.plot)
+        if target.is_dir():
+            raise InputError(f"--plot {args.plot!r}: is a directory; give a file name such as run.png")
+        if not target.suffix:  # matplotlib adds .png: name the file it writes
+            target = target.with_suffix(".png")
+        plot(log, str(target))
+        print(f"plot written to {target}")
     return 0
 
 

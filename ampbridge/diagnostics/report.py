@@ -49,6 +49,9 @@ class Summary:
     nonfinite_steps: int  # steps in the log with found_inf
     nonfinite_sampled: int  # of those, how many carry per-layer statistics
     final_loss: float | None
+    final_loss_step: int | None = None  # the step final_loss was logged at
+    scale_final_source: str = "the last logged step"  # or "rebuilt from the policy and the skipped steps"
+    unreproduced: int = 0  # non-finite steps whose replay found everything finite
     advice: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,7 +70,9 @@ def summarize(log: RunLog) -> Summary:
     scales = [s["loss_scale"] for s in steps] or [float("nan")]
     min_scale = h.get("min_scale")
     at_min = sum(1 for s in steps if min_scale is not None and s["loss_scale"] <= min_scale)
-    origins = Counter(s["first_nonfinite"]["path"] for s in steps if s.get("first_nonfinite"))
+    origins = Counter(s["first_nonfinite"]["path"] for s in steps
+                      if s.get("first_nonfinite") and s["first_nonfinite"].get("where") != "unreproduced")
+    unreproduced = sum(1 for s in steps if (s.get("first_nonfinite") or {}).get("where") == "unreproduced")
     underflow: dict[str, list[float]] = {}
     nonfinite: Counter[str] = Counter()
     nonfinite_steps = nonfinite_sampled = 0
@@ -87,7 +92,7 @@ def summarize(log: RunLog) -> Summary:
             bad.add(first)
         nonfinite.update(bad)
     mean_underflow = sorted(((p, sum(v) / len(v)) for p, v in underflow.items()), key=lambda t: -t[1])
-    losses = [s["loss"] for s in steps if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
+    losses = [(s["step"], s["loss"]) for s in steps if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
     skipped_steps = [s["step"] for s in steps if s["skipped"]]
     end = log.end
     if end is not None:
@@ -96,14 +101,21 @@ def summarize(log: RunLog) -> Summary:
     else:
         steps_run = max((s["step"] for s in steps), default=-1) + 1
         counted, first_step, last_step, skipped = "last logged step", None, None, len(skipped_steps)
+    rebuilt = rebuild_scales(log)
+    scale_final, final_source = scales[-1], "the last logged step"
+    if rebuilt is not None:
+        scale_final, final_source = rebuilt[-1][1], "rebuilt from the policy and the skipped steps"
     summary = Summary(
         framework=h.get("framework", "?"), compute_dtype=h.get("compute_dtype", "?"), steps=len(steps),
         steps_run=steps_run, steps_counted=counted, first_step=first_step, last_step=last_step,
-        skipped=skipped, skipped_steps=skipped_steps, scale_min=min(scales), scale_max=max(scales),
-        scale_final=scales[-1], min_scale=min_scale, steps_at_min_scale=at_min,
+        skipped=skipped, skipped_steps=skipped_steps,
+        scale_min=min(scales + ([v for _, v in rebuilt] if rebuilt else [])),
+        scale_max=max(scales + ([v for _, v in rebuilt] if rebuilt else [])),
+        scale_final=scale_final, scale_final_source=final_source, min_scale=min_scale, steps_at_min_scale=at_min,
         overflow_origins=dict(origins.most_common()), worst_underflow=mean_underflow[:5],
         nonfinite_layers=dict(nonfinite.most_common()), nonfinite_steps=nonfinite_steps,
-        nonfinite_sampled=nonfinite_sampled, final_loss=losses[-1] if losses else None)
+        nonfinite_sampled=nonfinite_sampled, final_loss=losses[-1][1] if losses else None,
+        final_loss_step=losses[-1][0] if losses else None, unreproduced=unreproduced)
     summary.advice = advise(summary)
     return summary
 
@@ -116,6 +128,10 @@ def advise(s: Summary) -> list[str]:
         out.append(f"{s.skipped} of {s.steps_run} steps were skipped ({100 * s.skipped / run:.0f}%): "
                    "gradients overflow often" + (" - consider bfloat16, which has float32's range"
                                                  if s.compute_dtype == "float16" else ""))
+    if s.unreproduced:
+        out.append(f"{s.unreproduced} non-finite step(s) could not be reproduced: replayed, every layer's outputs, "
+                   "the loss and every gradient were finite (the weights or inputs changed between the forward "
+                   "and the step, or the overflow is not deterministic); no layer can be named for them")
     for path, count in list(s.overflow_origins.items())[:3]:
         if path == "":
             out.append(f"the loss itself was non-finite on {count} step(s) while every layer's outputs were "
@@ -146,10 +162,13 @@ def format_summary(s: Summary) -> str:
     lines = [f"run: {s.framework}, compute {s.compute_dtype}, {_steps_line(s)}"]
     skipped = ", ".join(map(str, s.skipped_steps[:20])) + (" ..." if len(s.skipped_steps) > 20 else "")
     lines.append(f"skipped steps: {s.skipped}" + (f" ({skipped})" if s.skipped_steps else ""))
-    lines.append(f"loss scale: min {s.scale_min:g}, max {s.scale_max:g}, final {s.scale_final:g}"
+    lines.append(f"loss scale: min {s.scale_min:g}, max {s.scale_max:g}, final {s.scale_final:g} "
+                 f"({s.scale_final_source})"
                  + (f"; at min_scale={s.min_scale:g} for {s.steps_at_min_scale} step(s)" if s.min_scale is not None else ""))
     if s.final_loss is not None:
-        lines.append(f"final loss: {s.final_loss:.6g}")
+        at_end = s.last_step is not None and s.final_loss_step == s.last_step
+        lines.append(f"final loss: {s.final_loss:.6g} (step {s.final_loss_step}"
+                     + (", the last step)" if at_end else ", the last finite loss logged)"))
     if s.overflow_origins:
         lines.append("first layer to go non-finite, by steps: "
                      + ", ".join(f"{p or '(the loss)'} ({n})" for p, n in s.overflow_origins.items()))
@@ -183,6 +202,43 @@ def _loss_scale_config(header: dict[str, Any]) -> Any:
         return None
 
 
+def rebuild_scales(log: RunLog) -> list[tuple[int, float]] | None:
+    """The loss scale after every step of the run, rebuilt exactly from the policy in the header and
+    the non-finite steps in the log (a sampling monitor logs every one of them), or None when it
+    cannot be: no closing record or no readable policy (or phases), a run the monitor joined after
+    its first step, or a log whose scales disagree with the rebuild at some logged step.
+
+    Example:
+        >>> log = RunLog({"policy": {"loss_scale": {"mode": "dynamic", "initial_scale": 8.0,
+        ...                                         "growth_interval": 2}}},
+        ...              [{"step": 0, "loss_scale": 8.0, "found_inf": True, "skipped": True}],
+        ...              end={"steps": 4, "skipped": 1, "first_step": 0, "last_step": 3})
+        >>> rebuild_scales(log)
+        [(0, 4.0), (1, 4.0), (2, 8.0), (3, 8.0)]
+    """
+    from ..core.loss_scale import initial_state, next_state
+
+    cfg, end = _loss_scale_config(log.header), log.end
+    if cfg is None or end is None or end.get("first_step") != 0 or end.get("last_step") is None or not log.steps:
+        return None
+    state = initial_state(cfg)
+    used = {s["step"]: s for s in log.steps}
+    bad = {step for step, s in used.items() if s["found_inf"]}
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(end["last_step"] + 1):
+            if step in used and used[step]["loss_scale"] != state.scale:
+                return None  # the log disagrees (another policy ran, or a step is missing)
+            try:
+                state = next_state(cfg, state, step in bad)
+            except Exception:  # on_min_scale = "error": the run stopped at this step
+                out.append((step, state.scale))
+                return out
+            out.append((step, state.scale))
+    return out
+
+
 def scale_after_steps(log: RunLog) -> list[tuple[int, float]]:
     """The loss scale after each logged step (the scale the next step uses), as (step, scale).
 
@@ -200,6 +256,9 @@ def scale_after_steps(log: RunLog) -> list[tuple[int, float]]:
     """
     from ..core.loss_scale import LossScaleState, next_state
 
+    rebuilt = rebuild_scales(log)
+    if rebuilt is not None:  # every step's scale, growths where they happened
+        return rebuilt
     used = {s["step"]: s for s in log.steps}
     cfg = _loss_scale_config(log.header)
     points: dict[int, float] = {}

@@ -157,6 +157,7 @@ class RunLog:
     steps: list[dict[str, Any]] = field(default_factory=list)
     source: str = ""
     end: dict[str, Any] | None = None  # the last closing record; None in a log without one
+    problem: str | None = None  # read_log(partial=True): what is wrong where the good part ends
 
 
 def _number(v: Any) -> Any:
@@ -169,8 +170,58 @@ def _number(v: Any) -> Any:
     return v
 
 
-def read_log(path: str | os.PathLike[str]) -> RunLog:
-    """Read a run log, checking its shape; raises ValueError naming the file and line."""
+def _check_step(record: dict[str, Any]) -> str | None:
+    """What is wrong with a step record's fields, or None."""
+    for key in ("step", "loss_scale", "found_inf", "skipped"):
+        if key not in record:
+            return f"step record without {key!r}"
+    if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
+        return f"'step' must be an integer >= 0; received {record['step']!r}"
+    if not _is_number(_number(record["loss_scale"])):
+        return f"'loss_scale' must be a number; received {record['loss_scale']!r}"
+    for key in ("found_inf", "skipped"):
+        if not isinstance(record[key], bool):
+            return f"{key!r} must be true or false; received {record[key]!r}"
+    if not _is_number(_number(record.get("loss"))):
+        return f"'loss' must be a number or null; received {record.get('loss')!r}"
+    first = record.get("first_nonfinite")
+    if first is not None and not (isinstance(first, dict) and isinstance(first.get("path"), str)
+                                  and isinstance(first.get("where"), str)):
+        return f"'first_nonfinite' must be null or {{\"path\": ..., \"where\": ...}}; received {first!r}"
+    layers = record.get("layers", {})
+    if not isinstance(layers, dict) or not all(
+            isinstance(stats, dict) and all(_is_number(_number(v)) for v in stats.values()) for stats in layers.values()):
+        return "'layers' must map each layer to its numeric statistics"
+    return None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_end(record: dict[str, Any], steps: list[dict[str, Any]]) -> str | None:
+    for key in ("steps", "skipped"):
+        value = record.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"end record: {key!r} must be an integer >= 0; received {value!r}"
+    for key in ("first_step", "last_step"):
+        value = record.setdefault(key, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"end record: {key!r} must be an integer or null; received {value!r}"
+    last = record["last_step"]
+    beyond = [s["step"] for s in steps if last is not None and s["step"] > last]
+    if beyond:
+        return f"end record: last_step {last} but step {beyond[0]} was logged before it"
+    return None
+
+
+def read_log(path: str | os.PathLike[str], *, partial: bool = False) -> RunLog:
+    """Read a run log, checking its shape; raises ValueError naming the file and line.
+
+    ``partial=True`` (``ampbridge report``): a bad record after the header (a line cut by a killed
+    run, a field of the wrong type, a closing record the steps before it contradict) ends the read
+    there instead; the log holds every record before it and ``problem`` says what is wrong, in one line.
+    """
     source = str(path)
     lines: Iterator[str] = iter(Path(path).read_text(encoding="utf-8-sig").splitlines())
     log: RunLog | None = None
@@ -180,7 +231,11 @@ def read_log(path: str | os.PathLike[str]) -> RunLog:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{source}:{number}: not JSON: {e.msg}") from None
+            wrong = f"{source}:{number}: not JSON: {e.msg}"
+            if log is None or not partial:
+                raise ValueError(wrong) from None
+            log.problem = f"{wrong} (a line cut short?); read up to line {number - 1}"
+            break
         kind = record.get("kind") if isinstance(record, dict) else None
         if log is None:
             if kind != "run":
@@ -190,23 +245,19 @@ def read_log(path: str | os.PathLike[str]) -> RunLog:
             log = RunLog(record, source=source)
             continue
         if kind == "end":
-            for key in ("steps", "skipped"):
-                value = record.get(key)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise ValueError(f"{source}:{number}: end record: {key!r} must be an integer >= 0; "
-                                     f"received {value!r}")
-            for key in ("first_step", "last_step"):
-                value = record.setdefault(key, None)
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                    raise ValueError(f"{source}:{number}: end record: {key!r} must be an integer or null; "
-                                     f"received {value!r}")
+            wrong = _check_end(record, log.steps)
+        elif kind == "step":
+            wrong = _check_step(record)
+        else:
+            wrong = f"unknown record kind {kind!r}; accepted: step, end"
+        if wrong:
+            if not partial:
+                raise ValueError(f"{source}:{number}: {wrong}")
+            log.problem = f"{source}:{number}: {wrong}; read up to line {number - 1}"
+            break
+        if kind == "end":
             log.end = record
             continue
-        if kind != "step":
-            raise ValueError(f"{source}:{number}: unknown record kind {kind!r}; accepted: step, end")
-        for key in ("step", "loss_scale", "found_inf", "skipped"):
-            if key not in record:
-                raise ValueError(f"{source}:{number}: step record without {key!r}")
         record["loss"] = _number(record.get("loss"))
         for stats in record.get("layers", {}).values():
             for k in list(stats):

@@ -258,3 +258,46 @@ def test_the_plot_shows_the_loss_and_the_backoff_at_the_skipped_step(tmp_path):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+@pytest.mark.parametrize("tail,problem", [
+    ('{"kind": "step", "step": 3, "loss": 1.0, "loss_sc', ":4: not JSON: Unterminated string starting at (a line cut short?)"),
+    ('{"kind": "step", "step": "3", "loss": 1.0, "loss_scale": 2.0, "found_inf": false, "skipped": false}',
+     ":4: 'step' must be an integer >= 0; received '3'"),
+    ('{"kind": "step", "step": 3, "loss": 1.0, "loss_scale": 2.0, "found_inf": 0, "skipped": false}',
+     ":4: 'found_inf' must be true or false; received 0"),
+    ('{"kind": "step", "step": 3, "loss": [1], "loss_scale": 2.0, "found_inf": false, "skipped": false}',
+     ":4: 'loss' must be a number or null; received [1]"),
+    ('{"kind": "step", "step": 3, "loss": 1.0, "loss_scale": 2.0, "found_inf": false, "skipped": false, '
+     '"layers": {"a": {"zero": "x"}}}', ":4: 'layers' must map each layer to its numeric statistics"),
+    ('{"kind": "end", "steps": 2, "skipped": 0, "first_step": 0, "last_step": 0}',
+     ":4: end record: last_step 0 but step 1 was logged before it"),
+])
+def test_a_bad_record_ends_the_good_part_with_one_line(tmp_path, capsys, tail, problem):
+    from ampbridge.cli.commands import main
+
+    path = tmp_path / "run.jsonl"
+    write_run(path, [(2.0, False, None, 0.0)] * 2)
+    path.write_text(path.read_text() + tail)
+    with pytest.raises(ValueError, match=":4: "):
+        read_log(path)  # strict by default
+    log = read_log(path, partial=True)
+    assert len(log.steps) == 2 and log.end is None
+    assert log.problem == f"{path}{problem}; read up to line 3" or problem.split(" (")[0] in log.problem
+    assert main(["report", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith(f"ampbridge report: warning: {path}:4: ")
+    assert "2 step(s)" in out
+
+
+def test_plot_names_the_file_it_writes_and_refuses_a_directory(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from ampbridge.cli.commands import main
+
+    path = tmp_path / "run.jsonl"
+    write_run(path, [(2.0, False, None, 0.0)] * 3)
+    assert main(["report", str(path), "--plot", str(tmp_path / "noext")]) == 0
+    assert f"plot written to {tmp_path / 'noext.png'}" in capsys.readouterr().out
+    assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["report", str(path), "--plot", str(tmp_path)]) == 1
+    assert "is a directory" in capsys.readouterr().err

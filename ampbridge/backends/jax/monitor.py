@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ...diagnostics.runlog import RunLogWriter
 
 
-_WHERE = (None, "output", "gradient", "loss")
+_WHERE = (None, "output", "gradient", "loss", "unreproduced")  # unreproduced: the replay found nothing non-finite
 _STAT_COUNTS = ("zero", "nonfinite", "underflow", "overflow")
 
 
@@ -100,11 +100,12 @@ class Numerics:
         return out
 
     def first_nonfinite(self) -> dict[str, str] | None:
-        """``{"path": ..., "where": "output" | "gradient" | "loss"}`` on a non-finite step, else None."""
+        """``{"path": ..., "where": "output" | "gradient" | "loss" | "unreproduced"}`` on a non-finite
+        step, else None (``unreproduced``: the replay found every output, the loss and every gradient finite)."""
         where = _WHERE[int(self.where)]
         if where is None:
             return None
-        return {"path": "" if where == "loss" else self.paths[int(self.origin)], "where": where}
+        return {"path": "" if where in ("loss", "unreproduced") else self.paths[int(self.origin)], "where": where}
 
 
 _F32_ABS = 0x7FFFFFFF
@@ -233,7 +234,7 @@ def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index:
         by_params = jnp.where(bad, i32(idx), by_params)
     paths_of = jnp.asarray(leaf_index + [-1], i32)  # index -1 picks the trailing -1
     where = jnp.where(finite, i32(0), jnp.where(first_output >= 0, i32(1), jnp.where(
-        loss_bad, i32(3), jnp.where((by_gradient >= 0) | (by_params >= 0), i32(2), i32(3)))))
+        loss_bad, i32(3), jnp.where((by_gradient >= 0) | (by_params >= 0), i32(2), i32(4)))))
     origin = jnp.where(where == 1, paths_of[first_output], jnp.where(
         where == 2, jnp.where(by_gradient >= 0, paths_of[by_gradient], by_params), i32(-1)))
     return where, origin, forward, backward

@@ -458,8 +458,8 @@ class Monitor:
                 first = {"path": self.layers[int(backward)], "where": "gradient"}
             elif param_first >= 0:
                 first = {"path": self.layers[param_first], "where": "gradient"}
-            else:
-                first = {"path": "", "where": "loss"}
+            else:  # the replay found nothing non-finite
+                first = {"path": "", "where": "unreproduced"}
         logged_loss = step_loss if step_loss is not None and np.isfinite(step_loss) else None
         self._writer.step(step, loss=logged_loss, loss_scale=scale, found_inf=found_inf, skipped=skipped,
                           layers=stats_by_layer, first_nonfinite=first)

@@ -619,7 +619,7 @@ class Monitor:
         hit = {e.param_who[k] for k in range(len(e.param_who)) if bad[nf + nb + k]}
         if hit:
             return {"path": self._candidates[max(hit, key=lambda i: last_call.get(i, -1))], "where": "gradient"}
-        return {"path": "", "where": "loss"}
+        return {"path": "", "where": "unreproduced"}  # the replay found nothing non-finite
 
     def _header(self) -> None:
         if self._writer is not None:
