@@ -72,6 +72,11 @@ def _check_model(model: Any) -> None:
             "amp = ampbridge.torch.apply(model, policy); model = torch.compile(amp.model)")
     if not isinstance(model, nn.Module):
         raise ModelNotSupportedError(f"apply() needs a torch.nn.Module; received {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ModelNotSupportedError(
+            f"apply() was given a {type(model).__name__}: applied outside it, the ranks would not agree on "
+            "skipping an overflowed step and gradients would not reduce in reduce_dtype. Apply to the module "
+            "first, then wrap: amp = ampbridge.torch.apply(model, policy); ddp = ampbridge.torch.wrap_ddp(amp)")
     fwd = _installed(model)
     if fwd is not None:
         raise ModelNotSupportedError(

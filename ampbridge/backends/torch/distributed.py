@@ -76,6 +76,9 @@ def wrap_ddp(amp: "TorchAmp", *, process_group: Any = None, **ddp_kwargs: Any) -
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    if not (hasattr(amp, "model") and hasattr(amp, "scaler")):
+        raise TypeError(f"wrap_ddp takes the TorchAmp that ampbridge.torch.apply returns; received a "
+                        f"{type(amp).__name__} (amp = ampbridge.torch.apply(model, policy); wrap_ddp(amp))")
     ddp = DistributedDataParallel(amp.model, process_group=process_group, **ddp_kwargs)
     ddp.register_comm_hook(_Reduce(amp, process_group), _all_reduce_in_reduce_dtype)
     amp.scaler.agree_across(process_group)

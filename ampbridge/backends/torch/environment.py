@@ -111,24 +111,27 @@ def _resolve_for_device(policy: Policy, device_type: str) -> tuple[Policy, list[
     return policy, notes
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_lstm_takes_float32_inputs(compute_dtype: str) -> bool:
+def _dtype_name(dtype: "str | torch.dtype") -> str:
+    """``"float16"`` for ``torch.float16`` or ``"float16"`` (the functions below take either)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_lstm_takes_float32_inputs(compute_dtype: "str | torch.dtype") -> bool:
     """Whether ``nn.LSTM`` runs on float32 inputs inside ``torch.autocast("cpu", dtype=compute_dtype)``.
 
     autocast sends the LSTM to oneDNN in the lower precision, and oneDNN refuses the mixed
     float32-input primitive for float16 everywhere and for bfloat16 on CPUs without native
     bfloat16 (seen on an AVX2-only CPU; it ran on an AVX512_BF16 one), so it is measured, on a
-    one-unit LSTM.
+    one-unit LSTM. ``compute_dtype`` is a name or a ``torch.dtype``.
 
     Example:
-        >>> cpu_lstm_takes_float32_inputs("float32")
-        True
+        >>> cpu_lstm_takes_float32_inputs("float32"), cpu_lstm_takes_float32_inputs(torch.float32)
+        (True, True)
     """
-    return cpu_lstm_runs(compute_dtype, "float32")
+    return cpu_lstm_runs(_dtype_name(compute_dtype), "float32")
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_lstm_runs(compute_dtype: str, inputs_dtype: str) -> bool:
+def cpu_lstm_runs(compute_dtype: "str | torch.dtype", inputs_dtype: "str | torch.dtype") -> bool:
     """Whether ``nn.LSTM`` runs on ``inputs_dtype`` inputs inside ``torch.autocast("cpu", dtype=compute_dtype)``,
     measured once per pair on a one-unit LSTM (oneDNN's support depends on the CPU: a float16 LSTM
     failed even on float16 inputs on an AVX512_FP16/AMX CPU).
@@ -137,19 +140,17 @@ def cpu_lstm_runs(compute_dtype: str, inputs_dtype: str) -> bool:
         >>> cpu_lstm_runs("float32", "float32")
         True
     """
+    return _cpu_lstm_runs(_dtype_name(compute_dtype), _dtype_name(inputs_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_lstm_runs(compute_dtype: str, inputs_dtype: str) -> bool:
     if compute_dtype == "float32":
         return True
     lstm = nn.LSTM(1, 1)
     try:  # with gradients on, as in training: oneDNN picks another primitive for inference
         with torch.autocast("cpu", dtype=getattr(torch, compute_dtype)), torch.enable_grad():
             lstm(torch.zeros(1, 1, 1, dtype=getattr(torch, inputs_dtype)))
-    except RuntimeError:
-        return False
-    return True
-    lstm = nn.LSTM(1, 1)
-    try:
-        with torch.autocast("cpu", dtype=getattr(torch, compute_dtype)), torch.no_grad():
-            lstm(torch.zeros(1, 1, 1))
     except RuntimeError:
         return False
     return True
