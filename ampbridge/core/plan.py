@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import UnmatchedRuleWarning, outside_stacklevel
-from .kinds import KindTable, looks_like
+from .kinds import NOT_INFERRED, KindTable, looks_like, settle_kinds
 from .matching import KINDS, Pattern, compile_pattern
 from .policy import Policy
 from .table import render_table
@@ -90,7 +90,8 @@ class PlanRow:
     def kind_text(self) -> str:
         """The kind as the table shows it: ``norm (class name)``; a framework's own class: ``norm``."""
         if self.kind is None:
-            return "-" if not (self.kind_source or "").startswith("[kinds]") else f"- ({self.kind_source})"
+            shown = (self.kind_source or "").startswith("[kinds]") or NOT_INFERRED in (self.kind_source or "")
+            return f"- ({self.kind_source})" if shown else "-"
         if self.kind_source in (None, "framework class"):
             return self.kind
         return f"{self.kind} ({self.kind_source})"
@@ -344,9 +345,15 @@ class RowResolver:
                        label, pattern, inherited, kind_source=layer.kind_source)
 
     def row(self, chain: "list[Layer] | tuple[Layer, ...]") -> PlanRow:
-        """The row of ``chain[-1]``; ``chain[:-1]`` are its ancestors, the model's root first."""
+        """The row of ``chain[-1]``; ``chain[:-1]`` are its ancestors, the model's root first.
+
+        The root's inferred kind is taken away (:func:`~ampbridge.core.kinds.settle_kinds`); what a
+        container holds is not known from a chain: a backend settles kinds on the whole tree first.
+        """
         if self.kinds:
             chain = [self.layer(link) for link in chain]
+        if chain and not chain[0].path and chain[0].kind is not None:
+            chain = settle_kinds(chain[:1]) + list(chain[1:])
         layer = chain[-1]
         decided = _or_fixed(self._cached_decision(layer), layer)
         if decided is not None:
@@ -371,6 +378,7 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     """
     resolver = RowResolver(policy)
     layers = [resolver.layer(layer) for layer in layers] if resolver.kinds else list(layers)
+    layers = settle_kinds(layers)  # explicit kinds first: they may settle what a container holds
     policy = resolver.policy
     compiled = resolver.compiled
     pending = set(range(len(compiled)))  # rules not yet seen matching any layer

@@ -58,5 +58,91 @@ def test_kinds_table_gives_the_same_rows_in_every_framework():
         assert {r.kind_source for r in plan.rows if r.kind == "norm"} == {"[kinds] table"}, fw
 
 
+def _wrapper_models():
+    """The same model (a root named ``TinyNorm``, a ``PreNorm`` wrapper holding a LayerNorm and a
+    linear map, a head) in torch, Keras, Flax linen and Flax NNX, with the same paths."""
+    import flax.linen as fnn
+    import jax.numpy as jnp
+    import keras
+    import numpy as np
+    from flax import nnx
+    from torch import nn
+
+    class TorchPreNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fn = nn.LayerNorm(4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fn(self.norm(x))
+
+    class TorchTinyNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.head = TorchPreNorm(), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(x + self.pre(x))
+
+    t = TorchTinyNorm()
+
+    class PreNorm(keras.layers.Layer):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.norm, self.fn = keras.layers.LayerNormalization(name="norm"), keras.layers.Dense(4, name="fn")
+
+        def call(self, x):
+            return self.fn(self.norm(x))
+
+    class TinyNorm(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.head = PreNorm(name="pre"), keras.layers.Dense(2, name="head")
+
+        def call(self, x):
+            return self.head(x + self.pre(x))
+
+    k = TinyNorm()
+    k(np.ones((1, 4), "float32"))
+
+    class LinenPreNorm(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            return fnn.Dense(4, name="fn")(fnn.LayerNorm(name="norm")(x))
+
+    class LinenTinyNorm(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            return fnn.Dense(2, name="head")(x + LinenPreNorm(name="pre")(x))
+
+    class NnxPreNorm(nnx.Module):
+        def __init__(self, rngs):
+            self.norm, self.fn = nnx.LayerNorm(4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)
+
+    class NnxTinyNorm(nnx.Module):
+        def __init__(self, rngs):
+            self.pre, self.head = NnxPreNorm(rngs), nnx.Linear(4, 2, rngs=rngs)
+
+    return t, k, (LinenTinyNorm(), jnp.ones((1, 4))), NnxTinyNorm(nnx.Rngs(0))
+
+
+def test_a_wrapper_and_the_root_get_no_inferred_kind_in_every_framework():
+    import ampbridge.jax as abj
+    import ampbridge.keras as ak
+    import ampbridge.torch as abt
+
+    t, k, (linen, x), nnx_model = _wrapper_models()
+    for policy in (ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",)),
+                   ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",),
+                                    kinds={"norm": ["TorchPreNorm", "PreNorm", "LinenPreNorm", "NnxPreNorm"]})):
+        plans = {"torch": abt.plan(t, policy), "keras": ak.plan(k, policy), "linen": abj.plan(linen, policy, x),
+                 "nnx": abj.plan(nnx_model, policy)}
+        for fw, plan in plans.items():
+            assert plans["torch"].differences(plan) == [], fw
+            assert plan[""].kind is None, fw
+        pinned = plans["torch"]["pre.fn"].compute_dtype
+        assert pinned == ("float32" if policy.kinds else "bfloat16")
+
+
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
