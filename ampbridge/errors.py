@@ -121,6 +121,11 @@ class UnmatchedRuleWarning(AmpBridgeWarning):
     """A pinning or override rule matched no layer of the model (usually a typo)."""
 
 
+class BroadRuleWarning(AmpBridgeWarning):
+    """A rule reaches most of a model's parameters through the containers it matches (everything a
+    matched container holds follows the rule): said once per policy and model, with the share."""
+
+
 #: what :func:`warn_once` has said in this process (tests clear it)
 _warned: set[str] = set()
 

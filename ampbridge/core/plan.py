@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import UnmatchedRuleWarning, outside_stacklevel
+from ..errors import BroadRuleWarning, UnmatchedRuleWarning, outside_stacklevel
 from .kinds import NOT_INFERRED, KindTable, looks_like, settle_kinds
 from .matching import KINDS, Pattern, compile_pattern
 from .policy import Policy
@@ -412,26 +412,74 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     unmatched = tuple(f"{label} ({', '.join(rule.match)})"
                       for i, (label, rule, _) in enumerate(compiled) if i in pending)
     missed = unrecognised_kinds(layers, resolver)
-    notes = tuple(notes) + tuple(missed)
-    if warn and (unmatched or missed):
+    broad = broad_rules(rows, resolver)
+    notes = tuple(notes) + tuple(missed) + tuple(broad)
+    if warn and (unmatched or missed or broad):
         model_key = (policy, framework, hash(tuple((layer.path, layer.class_name) for layer in layers)))
         for text in [f"{t} matches no layer of the model (a typo?)" for t in unmatched] + missed:
             _warn_once_per_model(model_key, text)
+        for text in broad:
+            _warn_once_per_model(model_key, text, BroadRuleWarning)
     return Plan(tuple(rows), policy, framework, unmatched, notes)
+
+
+#: the share of a model's parameters a rule may reach through inheritance before it is said
+BROAD_SHARE = 0.5
+
+
+def broad_rules(rows: "Iterable[PlanRow]", resolver: RowResolver) -> list[str]:
+    """One line per rule whose reach through inheritance (rows that follow it because a container
+    above them matched, not because it matched them) holds more than :data:`BROAD_SHARE` of the
+    model's parameters: the rule, the containers (largest reach first) and the share.
+
+    Example:
+        >>> from ampbridge import Policy
+        >>> rows = [PlanRow("", None, "", 0, "float16", "float32", "float16"),
+        ...         PlanRow("pre", "norm", "PreNorm", 0, "float32", "float32", "float32", "keep_float32[0]",
+        ...                 "kind:norm"),
+        ...         PlanRow("pre.fc", "linear", "Linear", 90, "float32", "float32", "float32", "keep_float32[0]",
+        ...                 "kind:norm", "pre"),
+        ...         PlanRow("head", "linear", "Linear", 10, "float16", "float32", "float16")]
+        >>> resolver = RowResolver(Policy(compute_dtype="float16", keep_float32=("kind:norm",)))
+        >>> broad_rules(rows, resolver)[0].split(" through")[0]
+        "keep_float32[0] (kind:norm) reaches 90.0% of the model's parameters"
+    """
+    rows = list(rows)
+    total = sum(r.param_count for r in rows)
+    if total <= 0:
+        return []
+    reach: dict[str, dict[str, int]] = {}  # rule label -> container path -> parameters it reaches
+    for r in rows:
+        if r.inherited_from is not None and r.rule not in ("default", BY_MODEL):
+            by_container = reach.setdefault(r.rule, {})
+            by_container[r.inherited_from] = by_container.get(r.inherited_from, 0) + r.param_count
+    lines = []
+    matches = {label: rule.match for label, rule, _ in resolver.compiled}
+    for label, by_container in reach.items():
+        reached = sum(by_container.values())
+        if reached <= BROAD_SHARE * total:
+            continue
+        ranked = sorted(by_container, key=lambda p: (-by_container[p], p))
+        shown = ", ".join(p or "(root)" for p in ranked[:5])
+        shown += f" and {len(ranked) - 5} more" if len(ranked) > 5 else ""
+        lines.append(f"{label} ({', '.join(matches.get(label, ()))}) reaches {100 * reached / total:.1f}% of the "
+                     f"model's parameters through the container(s) it matches ({shown}): everything a matched "
+                     f"container holds follows the rule; name the layers themselves if that is not meant")
+    return lines
 
 
 #: (policy, framework, model signature, message) already said; bounded (oldest forgotten first)
 _SAID: dict[tuple, None] = {}
 
 
-def _warn_once_per_model(model_key: tuple, text: str) -> None:
+def _warn_once_per_model(model_key: tuple, text: str, category: type[Warning] = UnmatchedRuleWarning) -> None:
     key = model_key + (text,)
     if key in _SAID:
         return
     if len(_SAID) >= 4096:
         del _SAID[next(iter(_SAID))]
     _SAID[key] = None
-    warnings.warn(text, UnmatchedRuleWarning, stacklevel=outside_stacklevel())
+    warnings.warn(text, category, stacklevel=outside_stacklevel())
 
 
 def unrecognised_kinds(layers: "list[Layer]", resolver: RowResolver) -> list[str]:

@@ -256,8 +256,32 @@ def test_a_wrapper_named_like_a_norm_pins_only_its_norm_and_explicit_rules_still
     assert [plan[p].compute_dtype for p in ("pre", "pre.norm", "pre.fn.fc")] == ["float16", "float32", "float16"]
     for explicit in (base.replace(kinds={"norm": ["PreNorm"]}), base.replace(keep_float32=("type:PreNorm",)),
                      base.replace(keep_float32=("pre",))):
-        plan = build_plan(layers, explicit)
+        with pytest.warns(ampbridge.BroadRuleWarning, match=r"reaches (90|100)\.0% .* \(pre\)"):
+            plan = build_plan(layers, explicit)  # 72 of 80 parameters through the wrapper: said
         assert plan["pre.fn.fc"].compute_dtype == "float32", explicit
+
+
+def test_a_rule_reaching_most_parameters_through_containers_is_said_once():
+    layers = [Layer("", None, "Net"), Layer("a", None, "Block"), Layer("a.fc", "linear", "Linear", 30),
+              Layer("b", None, "Block"), Layer("b.fc", "linear", "Linear", 30),
+              Layer("b.norm", "norm", "LayerNorm", 10), Layer("head", "linear", "Linear", 30)]
+    broad = Policy(compute_dtype="bfloat16", keep_float32=("kind:norm", "type:Block"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            plan = build_plan(layers, broad)
+    said = [str(w.message) for w in caught if issubclass(w.category, ampbridge.BroadRuleWarning)]
+    # a.fc and b.fc follow Block's rule (60 of 100); b.norm is matched by kind:norm itself, not reached
+    assert said == ["keep_float32[1] (type:Block) reaches 60.0% of the model's parameters through the "
+                    "container(s) it matches (a, b): everything a matched container holds follows the rule; "
+                    "name the layers themselves if that is not meant"]
+    assert said[0] in plan.notes
+    # a rule matching the layers themselves, however many, or reaching half or less, is not said
+    for quiet in (Policy(compute_dtype="bfloat16", keep_float32=("kind:linear",)),
+                  Policy(compute_dtype="bfloat16", keep_float32=("a", "b.norm"))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not [n for n in build_plan(layers, quiet).notes if "reaches" in n]
 
 
 def test_row_resolver_never_infers_the_root():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 import ampbridge
@@ -135,8 +137,12 @@ def test_a_wrapper_and_the_root_get_no_inferred_kind_in_every_framework():
     for policy in (ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",)),
                    ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",),
                                     kinds={"norm": ["TorchPreNorm", "PreNorm", "LinenPreNorm", "NnxPreNorm"]})):
-        plans = {"torch": abt.plan(t, policy), "keras": ak.plan(k, policy), "linen": abj.plan(linen, policy, x),
-                 "nnx": abj.plan(nnx_model, policy)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plans = {"torch": abt.plan(t, policy), "keras": ak.plan(k, policy),
+                     "linen": abj.plan(linen, policy, x), "nnx": abj.plan(nnx_model, policy)}
+        broad = [w for w in caught if issubclass(w.category, ampbridge.BroadRuleWarning)]
+        assert len(broad) == (4 if policy.kinds else 0)  # the pinned wrapper holds most of the model
         for fw, plan in plans.items():
             assert plans["torch"].differences(plan) == [], fw
             assert plan[""].kind is None, fw
