@@ -202,8 +202,10 @@ class KindTable:
     def __init__(self, entries: Iterable[tuple[str, Sequence[str]]]):
         self.exact: dict[str, str] = {}
         self.patterns: list[tuple["re.Pattern[str]", str]] = []
+        self.entries: list[tuple[str, str]] = []  # (kind, name or "re:..."), in the table's order
         for kind, names in entries:
             for name in names:
+                self.entries.append((kind, name))
                 if name.startswith("re:"):
                     self.patterns.append((re.compile(name[3:]), kind))
                 else:
@@ -212,6 +214,33 @@ class KindTable:
 
     def __bool__(self) -> bool:
         return bool(self.exact or self.patterns)
+
+    def unmatched(self, class_names: Iterable[str]) -> list[str]:
+        """One line per entry that names no class of ``class_names`` (a typo, another model's class),
+        with a did-you-mean among those classes where one is close.
+
+        Example:
+            >>> table = KindTable((("norm", ("LlamaRMSNrom", "re:.*Norm$")),))
+            >>> print(*table.unmatched(["LlamaRMSNorm", "Linear"]))
+            [kinds] norm = "LlamaRMSNrom" matches no class of the model (a typo?); did you mean 'LlamaRMSNorm'?
+        """
+        from .matching import did_you_mean
+
+        names = sorted(set(class_names))
+        lines = []
+        for kind, entry in self.entries:
+            if entry.startswith("re:"):
+                rx = re.compile(entry[3:])
+                if any(rx.fullmatch(n) for n in names):
+                    continue
+                hint = None
+            elif entry in names:
+                continue
+            else:
+                hint = did_you_mean(entry, names)
+            lines.append(f'[kinds] {kind} = "{entry}" matches no class of the model (a typo?)'
+                         + (f"; {hint}" if hint else ""))
+        return lines
 
     def kind_of(self, class_name: str) -> Any:
         try:

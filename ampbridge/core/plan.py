@@ -412,11 +412,12 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     unmatched = tuple(f"{label} ({', '.join(rule.match)})"
                       for i, (label, rule, _) in enumerate(compiled) if i in pending)
     missed = unrecognised_kinds(layers, resolver)
+    unlisted = resolver.kinds.unmatched(layer.class_name for layer in layers) if resolver.kinds else []
     broad = broad_rules(rows, resolver)
-    notes = tuple(notes) + tuple(missed) + tuple(broad)
-    if warn and (unmatched or missed or broad):
+    notes = tuple(notes) + tuple(missed) + tuple(unlisted) + tuple(broad)
+    if warn and (unmatched or missed or unlisted or broad):
         model_key = (policy, framework, hash(tuple((layer.path, layer.class_name) for layer in layers)))
-        for text in [f"{t} matches no layer of the model (a typo?)" for t in unmatched] + missed:
+        for text in [f"{t} matches no layer of the model (a typo?)" for t in unmatched] + missed + unlisted:
             _warn_once_per_model(model_key, text)
         for text in broad:
             _warn_once_per_model(model_key, text, BroadRuleWarning)

@@ -291,3 +291,22 @@ def test_row_resolver_never_infers_the_root():
     chain = [Layer("", "norm", "TinyNorm", 0, "class name"), Layer("fc", "linear", "Linear", 4, "framework class")]
     assert r.row(chain).compute_dtype == "float16"
     assert r.row([Layer("", "norm", "LayerNorm", 4, "framework class")]).compute_dtype == "float32"
+
+
+def test_a_kinds_entry_naming_no_class_of_the_model_warns_once():
+    layers = [Layer("", None, "Net"), Layer("norm", "norm", "LlamaRMSNorm", 4, "class name"),
+              Layer("fc", "linear", "Linear", 16, "framework class")]
+    policy = Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",),
+                    kinds={"norm": ["LlamaRMSNrom", "re:.*RMSNorm$"], "none": ["re:Gemma.*"], "linear": ["Linear"]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            plan = build_plan(layers, policy)
+    said = [str(w.message) for w in caught if issubclass(w.category, ampbridge.UnmatchedRuleWarning)]
+    assert said == ['[kinds] norm = "LlamaRMSNrom" matches no class of the model (a typo?); '
+                    "did you mean 'LlamaRMSNorm'?",
+                    '[kinds] none = "re:Gemma.*" matches no class of the model (a typo?)']
+    assert all(line in plan.notes for line in said)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every entry names a class: nothing to say
+        build_plan(layers, policy.replace(kinds={"norm": ["re:.*RMSNorm$"], "linear": ["Linear"]}))

@@ -134,20 +134,43 @@ def test_a_wrapper_and_the_root_get_no_inferred_kind_in_every_framework():
     import ampbridge.torch as abt
 
     t, k, (linen, x), nnx_model = _wrapper_models()
-    for policy in (ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",)),
-                   ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",),
-                                    kinds={"norm": ["TorchPreNorm", "PreNorm", "LinenPreNorm", "NnxPreNorm"]})):
+    policy = ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",))
+    for explicit in (False, True):
+        # each framework's wrapper class by its own name (an entry naming no class of the model warns)
+        kinds = {fw: policy.replace(kinds={"norm": [name]} if explicit else {}) for fw, name in
+                 (("torch", "TorchPreNorm"), ("keras", "PreNorm"), ("linen", "LinenPreNorm"), ("nnx", "NnxPreNorm"))}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plans = {"torch": abt.plan(t, policy), "keras": ak.plan(k, policy),
-                     "linen": abj.plan(linen, policy, x), "nnx": abj.plan(nnx_model, policy)}
+            plans = {"torch": abt.plan(t, kinds["torch"]), "keras": ak.plan(k, kinds["keras"]),
+                     "linen": abj.plan(linen, kinds["linen"], x), "nnx": abj.plan(nnx_model, kinds["nnx"])}
         broad = [w for w in caught if issubclass(w.category, ampbridge.BroadRuleWarning)]
-        assert len(broad) == (4 if policy.kinds else 0)  # the pinned wrapper holds most of the model
+        assert len(broad) == (4 if explicit else 0)  # the pinned wrapper holds most of the model
         for fw, plan in plans.items():
             assert plans["torch"].differences(plan) == [], fw
             assert plan[""].kind is None, fw
         pinned = plans["torch"]["pre.fn"].compute_dtype
-        assert pinned == ("float32" if policy.kinds else "bfloat16")
+        assert pinned == ("float32" if explicit else "bfloat16")
+
+
+def test_a_kinds_entry_naming_no_class_warns_in_every_framework():
+    import jax
+
+    import ampbridge.jax as abj
+    import ampbridge.keras as ak
+    import ampbridge.torch as abt
+
+    t, k, (linen, x), nnx_model = _wrapper_models()
+    policy = ampbridge.Policy(compute_dtype="bfloat16", kinds={"norm": ["PreNrom"]})
+    said = {}
+    for fw, plan in (("torch", lambda: abt.apply(t, policy).remove()), ("keras", lambda: ak.plan(k, policy)),
+                     ("linen", lambda: abj.apply(linen, policy).init(jax.random.key(0), x)),
+                     ("nnx", lambda: abj.apply(nnx_model, policy))):
+        with pytest.warns(ampbridge.UnmatchedRuleWarning) as caught:
+            plan()
+        said[fw] = [str(w.message) for w in caught]
+    for fw, lines in said.items():
+        assert lines[0].startswith('[kinds] norm = "PreNrom" matches no class of the model (a typo?)'), fw
+    assert said["keras"][0].endswith("did you mean 'PreNorm'?")
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ class Applied:
         return self.cast_params(variables)
 
     def _warn_unmatched(self) -> None:
-        if getattr(self, "_warned_unmatched", False) or not self.policy.rules:
+        if getattr(self, "_warned_unmatched", False) or not (self.policy.rules or self.policy.kinds):
             return
         self._warned_unmatched = True
         layers = [Layer(path, kind, cls, 0, getattr(facts, "kind_source", None))
