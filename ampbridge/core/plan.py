@@ -39,7 +39,7 @@ from ..errors import BroadRuleWarning, UnmatchedRuleWarning, outside_stacklevel
 from .kinds import NOT_INFERRED, KindTable, looks_like, settle_kinds
 from .matching import KINDS, Pattern, compile_pattern
 from .policy import Policy
-from .table import render_table
+from .plan_table import render as render_plan
 
 __all__ = ["Layer", "PlanRow", "Plan", "RowResolver", "build_plan", "layers_from_data"]
 
@@ -149,7 +149,13 @@ class Plan:
         return counts
 
     def table(self, *, only_ruled: bool = False) -> str:
-        """The Plan as a text table; ``only_ruled`` hides rows the defaults decided."""
+        """The Plan as a text table; ``only_ruled`` hides rows the defaults decided.
+
+        Each row's note, and a kind source too long for its column, is a numbered footnote under
+        the table (the row's ``notes`` column gives the numbers; the same text is printed once); a
+        model too deep for full paths in 120 characters is shown as a tree (:mod:`.plan_table`).
+        ``to_json()`` keeps every note on every row.
+        """
         p = self.policy
         ls = p.resolved_loss_scale
         head = [
@@ -158,12 +164,6 @@ class Plan:
             f"loss scale {ls.mode}" + (f" from {ls.initial_scale:g}" if ls.mode in ("dynamic", "static") else ""),
         ]
         rows = [r for r in self.rows if not (only_ruled and r.rule == "default")]
-        body = render_table(
-            ("layer", "kind", "class", "params", "compute", "param", "output", "decided by"),
-            [(r.path or "(root)", r.kind_text, r.class_name, str(r.param_count), r.compute_dtype,
-              r.param_dtype, r.output_dtype, r.decided_by + (f" [{r.note}]" if r.note else ""))
-             for r in rows],
-        )
         tail = []
         totals = self.summary()
         total = sum(totals.values())
@@ -173,7 +173,7 @@ class Plan:
         for label in self.unmatched_rules:
             tail.append(f"warning: {label} matches no layer")
         tail.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(head + [body] + tail)
+        return render_plan(rows, p, head[0], tail)
 
     def __str__(self) -> str:
         return self.table()
