@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import BroadRuleWarning, UnmatchedRuleWarning, outside_stacklevel
+from ..errors import BroadRuleWarning, IdleRuleWarning, UnmatchedRuleWarning, outside_stacklevel
 from .kinds import NOT_INFERRED, KindTable, looks_like, settle_kinds
 from .matching import KINDS, Pattern, compile_pattern
 from .policy import Policy
@@ -85,6 +85,9 @@ class PlanRow:
     inherited_from: str | None = None  # the ancestor whose rule this row follows
     note: str | None = None  # where the framework's own machinery changes the row
     kind_source: str | None = None  # how the kind was decided (a Plan JSON without it still loads)
+    #: ops of the layer that ran in another dtype than its compute dtype, as ``"op dtype"`` (a trace
+    #: saw them: MoE experts' ``_grouped_mm`` that CPU autocast does not cast); shown as a footnote
+    other_ops: tuple[str, ...] = ()
 
     @property
     def kind_text(self) -> str:
@@ -193,7 +196,7 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         return cls(
-            rows=tuple(PlanRow(**r) for r in data["rows"]),
+            rows=tuple(PlanRow(**{**r, "other_ops": tuple(r.get("other_ops", ()))}) for r in data["rows"]),
             policy=Policy.from_dict(data["policy"]),
             framework=data.get("framework"),
             unmatched_rules=tuple(data.get("unmatched_rules", ())),
@@ -614,9 +617,38 @@ def join_notes(*parts: str | None) -> str:
     return "; ".join(p for p in parts if p)
 
 
+#: a traced row's note where its layer did not run / ran but no floating-point op of it was seen
+NOT_RUN = "did not run in the traced forward"
+NO_OP = "traced: its forward ran no floating-point op (an eval-mode Dropout returns its input): the static row"
+
+
 def not_run(row: PlanRow) -> PlanRow:
     """The row of a layer the traced forward never called."""
-    return with_note(row, join_notes(row.note, "did not run in the traced forward"))
+    return with_note(row, join_notes(row.note, NOT_RUN))
+
+
+def idle_rules(traced: Plan, *, warn: bool = True) -> list[str]:
+    """One line per rule whose rows (those it matched and those inheriting from them) all did not run
+    in a traced forward: it changes nothing that runs (Mamba reads its ``conv1d`` and ``dt_proj``
+    weights directly, never calling their forward). Said once per policy and model
+    (:class:`~ampbridge.IdleRuleWarning`)."""
+    followers: dict[str, list[PlanRow]] = {}
+    for r in traced.rows:
+        if r.rule not in ("default", BY_MODEL):
+            followers.setdefault(r.rule, []).append(r)
+    lines = []
+    matches = {label: rule.match for label, rule in traced.policy.rules}
+    for label, rows in followers.items():
+        if all(NOT_RUN in (r.note or "") for r in rows):
+            paths = [r.path for r in rows if r.inherited_from is None]
+            shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+            lines.append(f"{label} ({', '.join(matches.get(label, ()))}) has no effect: the layers it matches ({shown}) "
+                         f"never ran their forward in the traced forward (the model reads their weights directly?)")
+    if warn and lines:
+        key = (traced.policy, traced.framework, hash(tuple((r.path, r.class_name) for r in traced.rows)))
+        for line in lines:
+            _warn_once_per_model(key, line, IdleRuleWarning)
+    return lines
 
 
 def traced_row(row: PlanRow, compute: Iterable[str] | None, output: Iterable[str] | None) -> PlanRow:

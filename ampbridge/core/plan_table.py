@@ -50,6 +50,14 @@ class _Footnotes:
         return [f"[{n}] {text}" for text, n in self.numbers.items()]
 
 
+def _row_notes(r: Any, notes: _Footnotes) -> list[str]:
+    refs = [notes.refer(r.note)] if r.note else []
+    other = getattr(r, "other_ops", ())
+    if other:
+        refs.append(notes.refer(f"ops in another dtype than the row's {r.compute_dtype}: {', '.join(other)}"))
+    return refs
+
+
 def _full(rows: Sequence[Any]) -> tuple[list[str], list[tuple[str, ...]], _Footnotes]:
     notes = _Footnotes()
     cells = []
@@ -58,8 +66,7 @@ def _full(rows: Sequence[Any]) -> tuple[list[str], list[tuple[str, ...]], _Footn
         if len(kind) > KIND_WIDTH:  # the kind in its column, how it was decided below
             kind = r.kind or "-"
             refs.append(notes.refer(f"kind: {r.kind_text}"))
-        if r.note:
-            refs.append(notes.refer(r.note))
+        refs += _row_notes(r, notes)
         cells.append((r.path or "(root)", kind, r.class_name, str(r.param_count), r.compute_dtype,
                       r.param_dtype, r.output_dtype, r.decided_by, ",".join(refs)))
     return ["layer", "kind", "class", "params", "compute", "param", "output", "decided by", "notes"], cells, notes
@@ -95,8 +102,7 @@ def _tree(rows: Sequence[Any]) -> tuple[list[str], list[tuple[str, ...]], _Footn
         refs = []
         if r.kind_text != (r.kind or "-"):
             refs.append(notes.refer(f"kind: {r.kind_text}"))
-        if r.note:
-            refs.append(notes.refer(r.note))
+        refs += _row_notes(r, notes)
         dtypes = "/".join(_SHORT.get(d, d) for d in (r.compute_dtype, r.param_dtype, r.output_dtype))
         rule = r.rule + (" ^" if r.inherited_from is not None and r.rule != "default" else "")
         cells.append((" " * depth + name, r.kind or "-", r.class_name, str(r.param_count), dtypes, rule,
