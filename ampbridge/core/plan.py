@@ -675,5 +675,8 @@ def traced_row(row: PlanRow, compute: Iterable[str] | None, output: Iterable[str
 
 def traced_plan(static: Plan, rows: Iterable[PlanRow],
                 note: str = "traced: dtypes observed in one forward") -> Plan:
-    """``static``'s Plan with its rows replaced by the traced ones, and a Plan note saying so."""
-    return Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules, static.notes + (note,))
+    """``static``'s Plan with its rows replaced by the traced ones, and a Plan note saying so (and
+    one per rule whose layers never ran: :func:`idle_rules`, warned once)."""
+    traced = Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules, static.notes + (note,))
+    idle = idle_rules(traced)
+    return replace(traced, notes=traced.notes + tuple(idle)) if idle else traced

@@ -48,6 +48,7 @@ def test_an_eval_dropout_keeps_its_static_row_and_says_so_and_an_idle_rule_warns
     with pytest.warns(ampbridge.IdleRuleWarning, match=r"keep_float32\[0\] \(kind:conv\) has no effect: the "
                       r"layers it matches \(conv_weights\) never ran their forward"):
         traced = amp.trace(torch.randn(2, 4))
+    assert any(n.startswith("keep_float32[0] (kind:conv) has no effect") for n in traced.notes)
     drop = traced["drop"]
     assert drop.note.endswith("; " + NO_OP) and drop.compute_dtype == amp.plan["drop"].compute_dtype
     assert traced["fc"].note is None and traced["fc"].compute_dtype == "bfloat16"
