@@ -627,11 +627,11 @@ def not_run(row: PlanRow) -> PlanRow:
     return with_note(row, join_notes(row.note, NOT_RUN))
 
 
-def idle_rules(traced: Plan, *, warn: bool = True) -> list[str]:
-    """One line per rule whose rows (those it matched and those inheriting from them) all did not run
-    in a traced forward: it changes nothing that runs (Mamba reads its ``conv1d`` and ``dt_proj``
-    weights directly, never calling their forward). Said once per policy and model
-    (:class:`~ampbridge.IdleRuleWarning`)."""
+def idle_rules(traced: Plan, ran: "set[str]", *, warn: bool = True) -> list[str]:
+    """One line per rule whose rows (those it matched and those inheriting from them) all are not in
+    ``ran`` (the paths whose forward a traced forward called): it changes nothing that runs (Mamba
+    reads its ``conv1d`` and ``dt_proj`` weights directly, never calling their forward). Said once
+    per policy and model (:class:`~ampbridge.IdleRuleWarning`)."""
     followers: dict[str, list[PlanRow]] = {}
     for r in traced.rows:
         if r.rule not in ("default", BY_MODEL):
@@ -639,11 +639,12 @@ def idle_rules(traced: Plan, *, warn: bool = True) -> list[str]:
     lines = []
     matches = {label: rule.match for label, rule in traced.policy.rules}
     for label, rows in followers.items():
-        if all(NOT_RUN in (r.note or "") for r in rows):
+        if not any(r.path in ran for r in rows):
             paths = [r.path for r in rows if r.inherited_from is None]
             shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
-            lines.append(f"{label} ({', '.join(matches.get(label, ()))}) has no effect: the layers it matches ({shown}) "
-                         f"never ran their forward in the traced forward (the model reads their weights directly?)")
+            lines.append(f"{label} ({', '.join(matches.get(label, ()))}) has no effect: the layers it matches "
+                         f"({shown}) never ran their forward in the traced forward (the model reads their "
+                         f"weights directly?)")
     if warn and lines:
         key = (traced.policy, traced.framework, hash(tuple((r.path, r.class_name) for r in traced.rows)))
         for line in lines:
@@ -673,10 +674,11 @@ def traced_row(row: PlanRow, compute: Iterable[str] | None, output: Iterable[str
     return with_note(row, join_notes(row.note, f"traced: ran {said}"), **changes)
 
 
-def traced_plan(static: Plan, rows: Iterable[PlanRow],
-                note: str = "traced: dtypes observed in one forward") -> Plan:
-    """``static``'s Plan with its rows replaced by the traced ones, and a Plan note saying so (and
-    one per rule whose layers never ran: :func:`idle_rules`, warned once)."""
+def traced_plan(static: Plan, rows: Iterable[PlanRow], note: str = "traced: dtypes observed in one forward",
+                ran: "set[str] | None" = None) -> Plan:
+    """``static``'s Plan with its rows replaced by the traced ones, and a Plan note saying so; with
+    ``ran`` (the paths whose forward ran), one note per rule whose layers never ran (:func:`idle_rules`,
+    warned once)."""
     traced = Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules, static.notes + (note,))
-    idle = idle_rules(traced)
+    idle = idle_rules(traced, ran) if ran is not None else []
     return replace(traced, notes=traced.notes + tuple(idle)) if idle else traced

@@ -131,7 +131,8 @@ def test_nnx_prenorm_wrapper_and_root_get_no_inferred_kind():
     _check_rows(abj.plan(net, NORM))
     applied = abj.apply(net, NORM)
     # what runs: the applied copy's modules carry their rows' dtypes
-    assert (applied.pre.fn.dtype, applied.pre.norm.dtype, applied.head.dtype) == (jnp.bfloat16, jnp.float32, jnp.bfloat16)
+    dtypes = (applied.pre.fn.dtype, applied.pre.norm.dtype, applied.head.dtype)
+    assert dtypes == (jnp.bfloat16, jnp.float32, jnp.bfloat16)
     assert applied.pre.fn(X).dtype == jnp.bfloat16
     table = NORM.replace(kinds={"norm": ["PreNorm"]})  # explicit: the wrapper is a norm again
     with pytest.warns(ampbridge.BroadRuleWarning, match=r"kind:norm\) reaches .* \(pre\)"):

@@ -62,7 +62,7 @@ def trace(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True, **k
         ops = {d for prim, d in ran.get(row.path, ()) if _MAIN[prim] in (None, row.kind)
                and not (prim == "rsqrt" and noted_f32)}
         rows.append(traced_row(row, ops, delivered.get(row.path)))
-    return traced_plan(static, rows)
+    return traced_plan(static, rows, ran=set(delivered) | set(ran))
 
 
 def _trace_linen(applied: Applied, inputs: tuple, kwargs: dict) -> tuple[dict, dict]:

@@ -68,7 +68,8 @@ def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> P
         internal = "internally" in (row.note or "")  # Keras upcasts inside the call: the probe cannot see it
         compute = None if internal or composite.get(row.path) else rec["returns"]
         rows.append(traced_row(row, compute, rec["outputs"]))
-    return traced_plan(static, rows)
+    ran = {path for path, rec in records.items() if rec["returns"] or rec["outputs"]}
+    return traced_plan(static, rows, ran=ran)
 
 
 def _probe(model: Any) -> dict[str, dict[str, set[str]]]:

@@ -123,7 +123,7 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         rows.append(with_note(row, join_notes(reason, f"traced: ran in {observed}"), **changes))
     traced = Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
                   amp.plan.notes + ("traced: compute dtypes observed in one forward",))
-    idle = idle_rules(traced, warn=True)
+    idle = idle_rules(traced, ran)
     return replace(traced, notes=traced.notes + tuple(idle)) if idle else traced
 
 
