@@ -155,3 +155,18 @@ def test_a_prenorm_wrapper_and_the_root_get_no_inferred_kind(probe):
         model(x)
     assert seen.out["pre.fn"] == torch.float32
     amp.remove()
+
+
+class TimestepEmbedding(nn.Module):  # as diffusers writes it: an MLP on sinusoidal features, no lookup table
+    def __init__(self, d=8):
+        super().__init__()
+        self.linear_1, self.act, self.linear_2 = nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d)
+
+    def forward(self, t):
+        return self.linear_2(self.act(self.linear_1(t)))
+
+
+def test_a_timestep_embedding_mlp_is_no_embedding():
+    model = nn.Sequential(TimestepEmbedding(), nn.Linear(8, 2))
+    plan = ampbridge.torch.plan(model, ampbridge.Policy(compute_dtype="bfloat16"))
+    assert plan["0"].kind is None and plan["0"].kind_source == "embedding by name, not inferred: holds linear"
