@@ -125,6 +125,16 @@ class UnmatchedRuleWarning(AmpBridgeWarning):
     """A pinning or override rule matched no layer of the model (usually a typo)."""
 
 
+class IdleRuleWarning(AmpBridgeWarning):
+    """A rule whose layers never ran their forward in a traced forward (the model reads their
+    weights directly, as Mamba does its ``conv1d``): it changes nothing that runs."""
+
+
+class BroadRuleWarning(AmpBridgeWarning):
+    """A rule reaches most of a model's parameters through the containers it matches (everything a
+    matched container holds follows the rule): said once per policy and model, with the share."""
+
+
 #: what :func:`warn_once` has said in this process (tests clear it)
 _warned: set[str] = set()
 

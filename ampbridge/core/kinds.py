@@ -24,6 +24,15 @@ never looks inside a module to name it (holding a LayerNorm does not make a modu
 position "embeddings" (``LlamaRotaryEmbedding``) are no ``embedding``: they compute cos/sin of the
 positions, there is no table to look up.
 
+Inference is cautious, explicit rules are not (:func:`settle_kinds`, applied by the core to every
+backend's layers): a kind inferred from a name is *not* given to the model itself (its root), nor
+to a module that holds layers of a compute kind it is not built from. A ``norm``, ``embedding`` or
+``softmax`` holds no ``linear``, ``conv``, ``attention`` or ``recurrent`` layer (the common
+``PreNorm(dim, fn)`` wrapper holds the block it normalises for; diffusers' ``TimestepEmbedding``
+is an MLP, no table); an ``attention`` holds no ``recurrent`` one. Such a module gets no kind, and
+its row says why (``- (norm by name, not inferred: holds linear)``). ``[kinds]``, ``type:`` rules,
+paths, ``register_kind`` and ``ampbridge_kind`` still give it one.
+
 Example:
     >>> infer_kind(["LlamaRMSNorm", "Module"])
     ('norm', 'class name')
@@ -41,7 +50,7 @@ from typing import Any
 
 from .matching import KINDS
 
-__all__ = ["LEAF_KINDS", "ROTARY", "infer_kind", "KindTable", "KindRegistry", "SUGGESTIVE", "looks_like", "NO_KIND"]
+__all__ = ["LEAF_KINDS", "ROTARY", "infer_kind", "is_inferred", "settle_kinds", "NOT_INFERRED", "KindTable", "KindRegistry", "SUGGESTIVE", "looks_like", "NO_KIND"]
 
 #: the ``[kinds]`` key that takes a kind away (``none = ["Foo"]``)
 NO_KIND = "none"
@@ -104,6 +113,73 @@ def infer_kind(names: Sequence[str], *, leaf: bool | None = None) -> tuple[str |
     return None, None
 
 
+#: the compute kinds (layers that do the model's arithmetic) a module inferred as each kind may hold;
+#: holding any other compute kind means the name describes a wrapper, not the layer (settle_kinds)
+COMPUTE_KINDS = frozenset({"linear", "conv", "attention", "recurrent"})
+_MAY_HOLD: Mapping[str, frozenset[str]] = {
+    "norm": frozenset(), "embedding": frozenset(), "softmax": frozenset(),
+    "attention": frozenset({"linear", "conv", "attention"}),  # projections; SegFormer's reduction conv
+}
+#: how a row of a module whose name suggested a kind it was not given begins its kind source
+NOT_INFERRED = "not inferred"
+
+
+def is_inferred(source: str | None) -> bool:
+    """Whether a kind source is name or structure inference (not a framework class, not explicit)."""
+    return bool(source) and (source == "class name" or source.startswith(("base class ", "structure:")))
+
+
+def settle_kinds(layers: Sequence[Any]) -> list[Any]:
+    """``layers`` (neutral ``Layer`` descriptors, any order) with cautious inference applied: an
+    inferred kind is taken from the root (path ``""``) and from a module holding a compute kind it
+    may not hold (:data:`_MAY_HOLD`); its ``kind_source`` then says which kind its name suggested and
+    why it was not given (``norm by name, not inferred: holds linear``). Explicit kinds are kept.
+
+    A module's holdings are its descendants by path (the nearest listed ancestor owns a layer),
+    with their own kinds as settled here, deepest first.
+
+    Example:
+        >>> from ampbridge.core.plan import Layer
+        >>> out = settle_kinds([Layer("", None, "ViT"), Layer("pre", "norm", "PreNorm", 0, "class name"),
+        ...                     Layer("pre.norm", "norm", "LayerNorm", 8, "framework class"),
+        ...                     Layer("pre.fn", "linear", "Linear", 72, "framework class")])
+        >>> out[1].kind, out[1].kind_source
+        (None, 'norm by name, not inferred: holds linear')
+    """
+    from dataclasses import replace
+
+    paths = {layer.path for layer in layers}
+    held: dict[str, set[str]] = {}
+    settled: dict[int, Any] = {}
+    deepest_first = sorted(range(len(layers)), key=lambda i: layers[i].path.count(".") + (1 if layers[i].path else 0),
+                           reverse=True)
+    for i in deepest_first:
+        layer = layers[i]
+        below = held.get(layer.path, set())
+        why = None
+        if layer.kind is not None and is_inferred(layer.kind_source):
+            if not layer.path:
+                why = "the model itself"
+            else:
+                other = sorted((below & COMPUTE_KINDS) - _MAY_HOLD.get(layer.kind, COMPUTE_KINDS))
+                why = f"holds {', '.join(other)}" if other else None
+        if why is not None:
+            layer = replace(layer, kind=None, kind_source=f"{layer.kind} by name, {NOT_INFERRED}: {why}")
+        settled[i] = layer
+        parent = _nearest_ancestor(layer.path, paths)
+        if parent is not None:
+            held.setdefault(parent, set()).update(below, (layer.kind,) if layer.kind else ())
+    return [settled[i] for i in range(len(layers))]
+
+
+def _nearest_ancestor(path: str, paths: "set[str]") -> str | None:
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        if path in paths:
+            return path
+    return None
+
+
 def looks_like(kind: str, class_name: str) -> bool:
     """Whether a class name suggests ``kind`` (``"NormedProj"`` suggests ``norm``)."""
     low = class_name.lower()
@@ -126,8 +202,10 @@ class KindTable:
     def __init__(self, entries: Iterable[tuple[str, Sequence[str]]]):
         self.exact: dict[str, str] = {}
         self.patterns: list[tuple["re.Pattern[str]", str]] = []
+        self.entries: list[tuple[str, str]] = []  # (kind, name or "re:..."), in the table's order
         for kind, names in entries:
             for name in names:
+                self.entries.append((kind, name))
                 if name.startswith("re:"):
                     self.patterns.append((re.compile(name[3:]), kind))
                 else:
@@ -136,6 +214,33 @@ class KindTable:
 
     def __bool__(self) -> bool:
         return bool(self.exact or self.patterns)
+
+    def unmatched(self, class_names: Iterable[str]) -> list[str]:
+        """One line per entry that names no class of ``class_names`` (a typo, another model's class),
+        with a did-you-mean among those classes where one is close.
+
+        Example:
+            >>> table = KindTable((("norm", ("LlamaRMSNrom", "re:.*Norm$")),))
+            >>> print(*table.unmatched(["LlamaRMSNorm", "Linear"]))
+            [kinds] norm = "LlamaRMSNrom" matches no class of the model (a typo?); did you mean 'LlamaRMSNorm'?
+        """
+        from .matching import did_you_mean
+
+        names = sorted(set(class_names))
+        lines = []
+        for kind, entry in self.entries:
+            if entry.startswith("re:"):
+                rx = re.compile(entry[3:])
+                if any(rx.fullmatch(n) for n in names):
+                    continue
+                hint = None
+            elif entry in names:
+                continue
+            else:
+                hint = did_you_mean(entry, names)
+            lines.append(f'[kinds] {kind} = "{entry}" matches no class of the model (a typo?)'
+                         + (f"; {hint}" if hint else ""))
+        return lines
 
     def kind_of(self, class_name: str) -> Any:
         try:

@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import UnmatchedRuleWarning, outside_stacklevel
-from .kinds import KindTable, looks_like
+from ..errors import BroadRuleWarning, IdleRuleWarning, UnmatchedRuleWarning, outside_stacklevel
+from .kinds import NOT_INFERRED, KindTable, looks_like, settle_kinds
 from .matching import KINDS, Pattern, compile_pattern
 from .policy import Policy
-from .table import render_table
+from .plan_table import render as render_plan
 
 __all__ = ["Layer", "PlanRow", "Plan", "RowResolver", "build_plan", "layers_from_data"]
 
@@ -85,12 +85,16 @@ class PlanRow:
     inherited_from: str | None = None  # the ancestor whose rule this row follows
     note: str | None = None  # where the framework's own machinery changes the row
     kind_source: str | None = None  # how the kind was decided (a Plan JSON without it still loads)
+    #: ops of the layer that ran in another dtype than its compute dtype, as ``"op dtype"`` (a trace
+    #: saw them: MoE experts' ``_grouped_mm`` that CPU autocast does not cast); shown as a footnote
+    other_ops: tuple[str, ...] = ()
 
     @property
     def kind_text(self) -> str:
         """The kind as the table shows it: ``norm (class name)``; a framework's own class: ``norm``."""
         if self.kind is None:
-            return "-" if not (self.kind_source or "").startswith("[kinds]") else f"- ({self.kind_source})"
+            shown = (self.kind_source or "").startswith("[kinds]") or NOT_INFERRED in (self.kind_source or "")
+            return f"- ({self.kind_source})" if shown else "-"
         if self.kind_source in (None, "framework class"):
             return self.kind
         return f"{self.kind} ({self.kind_source})"
@@ -148,7 +152,13 @@ class Plan:
         return counts
 
     def table(self, *, only_ruled: bool = False) -> str:
-        """The Plan as a text table; ``only_ruled`` hides rows the defaults decided."""
+        """The Plan as a text table; ``only_ruled`` hides rows the defaults decided.
+
+        Each row's note, and a kind source too long for its column, is a numbered footnote under
+        the table (the row's ``notes`` column gives the numbers; the same text is printed once); a
+        model too deep for full paths in 120 characters is shown as a tree (:mod:`.plan_table`).
+        ``to_json()`` keeps every note on every row.
+        """
         p = self.policy
         ls = p.resolved_loss_scale
         head = [
@@ -157,12 +167,6 @@ class Plan:
             f"loss scale {ls.mode}" + (f" from {ls.initial_scale:g}" if ls.mode in ("dynamic", "static") else ""),
         ]
         rows = [r for r in self.rows if not (only_ruled and r.rule == "default")]
-        body = render_table(
-            ("layer", "kind", "class", "params", "compute", "param", "output", "decided by"),
-            [(r.path or "(root)", r.kind_text, r.class_name, str(r.param_count), r.compute_dtype,
-              r.param_dtype, r.output_dtype, r.decided_by + (f" [{r.note}]" if r.note else ""))
-             for r in rows],
-        )
         tail = []
         totals = self.summary()
         total = sum(totals.values())
@@ -172,7 +176,7 @@ class Plan:
         for label in self.unmatched_rules:
             tail.append(f"warning: {label} matches no layer")
         tail.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(head + [body] + tail)
+        return render_plan(rows, p, head[0], tail)
 
     def __str__(self) -> str:
         return self.table()
@@ -192,7 +196,7 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         return cls(
-            rows=tuple(PlanRow(**r) for r in data["rows"]),
+            rows=tuple(PlanRow(**{**r, "other_ops": tuple(r.get("other_ops", ()))}) for r in data["rows"]),
             policy=Policy.from_dict(data["policy"]),
             framework=data.get("framework"),
             unmatched_rules=tuple(data.get("unmatched_rules", ())),
@@ -344,9 +348,15 @@ class RowResolver:
                        label, pattern, inherited, kind_source=layer.kind_source)
 
     def row(self, chain: "list[Layer] | tuple[Layer, ...]") -> PlanRow:
-        """The row of ``chain[-1]``; ``chain[:-1]`` are its ancestors, the model's root first."""
+        """The row of ``chain[-1]``; ``chain[:-1]`` are its ancestors, the model's root first.
+
+        The root's inferred kind is taken away (:func:`~ampbridge.core.kinds.settle_kinds`); what a
+        container holds is not known from a chain: a backend settles kinds on the whole tree first.
+        """
         if self.kinds:
             chain = [self.layer(link) for link in chain]
+        if chain and not chain[0].path and chain[0].kind is not None:
+            chain = settle_kinds(chain[:1]) + list(chain[1:])
         layer = chain[-1]
         decided = _or_fixed(self._cached_decision(layer), layer)
         if decided is not None:
@@ -371,6 +381,7 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     """
     resolver = RowResolver(policy)
     layers = [resolver.layer(layer) for layer in layers] if resolver.kinds else list(layers)
+    layers = settle_kinds(layers)  # explicit kinds first: they may settle what a container holds
     policy = resolver.policy
     compiled = resolver.compiled
     pending = set(range(len(compiled)))  # rules not yet seen matching any layer
@@ -404,26 +415,75 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     unmatched = tuple(f"{label} ({', '.join(rule.match)})"
                       for i, (label, rule, _) in enumerate(compiled) if i in pending)
     missed = unrecognised_kinds(layers, resolver)
-    notes = tuple(notes) + tuple(missed)
-    if warn and (unmatched or missed):
+    unlisted = resolver.kinds.unmatched(layer.class_name for layer in layers) if resolver.kinds else []
+    broad = broad_rules(rows, resolver)
+    notes = tuple(notes) + tuple(missed) + tuple(unlisted) + tuple(broad)
+    if warn and (unmatched or missed or unlisted or broad):
         model_key = (policy, framework, hash(tuple((layer.path, layer.class_name) for layer in layers)))
-        for text in [f"{t} matches no layer of the model (a typo?)" for t in unmatched] + missed:
+        for text in [f"{t} matches no layer of the model (a typo?)" for t in unmatched] + missed + unlisted:
             _warn_once_per_model(model_key, text)
+        for text in broad:
+            _warn_once_per_model(model_key, text, BroadRuleWarning)
     return Plan(tuple(rows), policy, framework, unmatched, notes)
+
+
+#: the share of a model's parameters a rule may reach through inheritance before it is said
+BROAD_SHARE = 0.5
+
+
+def broad_rules(rows: "Iterable[PlanRow]", resolver: RowResolver) -> list[str]:
+    """One line per rule whose reach through inheritance (rows that follow it because a container
+    above them matched, not because it matched them) holds more than :data:`BROAD_SHARE` of the
+    model's parameters: the rule, the containers (largest reach first) and the share.
+
+    Example:
+        >>> from ampbridge import Policy
+        >>> rows = [PlanRow("", None, "", 0, "float16", "float32", "float16"),
+        ...         PlanRow("pre", "norm", "PreNorm", 0, "float32", "float32", "float32", "keep_float32[0]",
+        ...                 "kind:norm"),
+        ...         PlanRow("pre.fc", "linear", "Linear", 90, "float32", "float32", "float32", "keep_float32[0]",
+        ...                 "kind:norm", "pre"),
+        ...         PlanRow("head", "linear", "Linear", 10, "float16", "float32", "float16")]
+        >>> resolver = RowResolver(Policy(compute_dtype="float16", keep_float32=("kind:norm",)))
+        >>> broad_rules(rows, resolver)[0].split(" through")[0]
+        "keep_float32[0] (kind:norm) reaches 90.0% of the model's parameters"
+    """
+    rows = list(rows)
+    total = sum(r.param_count for r in rows)
+    if total <= 0:
+        return []
+    reach: dict[str, dict[str, int]] = {}  # rule label -> container path -> parameters it reaches
+    for r in rows:
+        if r.inherited_from is not None and r.rule not in ("default", BY_MODEL):
+            by_container = reach.setdefault(r.rule, {})
+            by_container[r.inherited_from] = by_container.get(r.inherited_from, 0) + r.param_count
+    lines = []
+    matches = {label: rule.match for label, rule, _ in resolver.compiled}
+    for label, by_container in reach.items():
+        reached = sum(by_container.values())
+        if reached <= BROAD_SHARE * total:
+            continue
+        ranked = sorted(by_container, key=lambda p: (-by_container[p], p))
+        shown = ", ".join(p or "(root)" for p in ranked[:5])
+        shown += f" and {len(ranked) - 5} more" if len(ranked) > 5 else ""
+        lines.append(f"{label} ({', '.join(matches.get(label, ()))}) reaches {100 * reached / total:.1f}% of the "
+                     f"model's parameters through the container(s) it matches ({shown}): everything a matched "
+                     f"container holds follows the rule; name the layers themselves if that is not meant")
+    return lines
 
 
 #: (policy, framework, model signature, message) already said; bounded (oldest forgotten first)
 _SAID: dict[tuple, None] = {}
 
 
-def _warn_once_per_model(model_key: tuple, text: str) -> None:
+def _warn_once_per_model(model_key: tuple, text: str, category: type[Warning] = UnmatchedRuleWarning) -> None:
     key = model_key + (text,)
     if key in _SAID:
         return
     if len(_SAID) >= 4096:
         del _SAID[next(iter(_SAID))]
     _SAID[key] = None
-    warnings.warn(text, UnmatchedRuleWarning, stacklevel=outside_stacklevel())
+    warnings.warn(text, category, stacklevel=outside_stacklevel())
 
 
 def unrecognised_kinds(layers: "list[Layer]", resolver: RowResolver) -> list[str]:
@@ -557,9 +617,39 @@ def join_notes(*parts: str | None) -> str:
     return "; ".join(p for p in parts if p)
 
 
+#: a traced row's note where its layer did not run / ran but no floating-point op of it was seen
+NOT_RUN = "did not run in the traced forward"
+NO_OP = "traced: its forward ran no floating-point op (an eval-mode Dropout returns its input): the static row"
+
+
 def not_run(row: PlanRow) -> PlanRow:
     """The row of a layer the traced forward never called."""
-    return with_note(row, join_notes(row.note, "did not run in the traced forward"))
+    return with_note(row, join_notes(row.note, NOT_RUN))
+
+
+def idle_rules(traced: Plan, ran: "set[str]", *, warn: bool = True) -> list[str]:
+    """One line per rule whose rows (those it matched and those inheriting from them) all are not in
+    ``ran`` (the paths whose forward a traced forward called): it changes nothing that runs (Mamba
+    reads its ``conv1d`` and ``dt_proj`` weights directly, never calling their forward). Said once
+    per policy and model (:class:`~ampbridge.IdleRuleWarning`)."""
+    followers: dict[str, list[PlanRow]] = {}
+    for r in traced.rows:
+        if r.rule not in ("default", BY_MODEL):
+            followers.setdefault(r.rule, []).append(r)
+    lines = []
+    matches = {label: rule.match for label, rule in traced.policy.rules}
+    for label, rows in followers.items():
+        if not any(r.path in ran for r in rows):
+            paths = [r.path for r in rows if r.inherited_from is None]
+            shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+            lines.append(f"{label} ({', '.join(matches.get(label, ()))}) has no effect: the layers it matches "
+                         f"({shown}) never ran their forward in the traced forward (the model reads their "
+                         f"weights directly?)")
+    if warn and lines:
+        key = (traced.policy, traced.framework, hash(tuple((r.path, r.class_name) for r in traced.rows)))
+        for line in lines:
+            _warn_once_per_model(key, line, IdleRuleWarning)
+    return lines
 
 
 def traced_row(row: PlanRow, compute: Iterable[str] | None, output: Iterable[str] | None) -> PlanRow:
@@ -584,7 +674,11 @@ def traced_row(row: PlanRow, compute: Iterable[str] | None, output: Iterable[str
     return with_note(row, join_notes(row.note, f"traced: ran {said}"), **changes)
 
 
-def traced_plan(static: Plan, rows: Iterable[PlanRow],
-                note: str = "traced: dtypes observed in one forward") -> Plan:
-    """``static``'s Plan with its rows replaced by the traced ones, and a Plan note saying so."""
-    return Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules, static.notes + (note,))
+def traced_plan(static: Plan, rows: Iterable[PlanRow], note: str = "traced: dtypes observed in one forward",
+                ran: "set[str] | None" = None) -> Plan:
+    """``static``'s Plan with its rows replaced by the traced ones, and a Plan note saying so; with
+    ``ran`` (the paths whose forward ran), one note per rule whose layers never ran (:func:`idle_rules`,
+    warned once)."""
+    traced = Plan(tuple(rows), static.policy, static.framework, static.unmatched_rules, static.notes + (note,))
+    idle = idle_rules(traced, ran) if ran is not None else []
+    return replace(traced, notes=traced.notes + tuple(idle)) if idle else traced

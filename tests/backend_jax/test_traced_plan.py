@@ -86,3 +86,26 @@ def test_unpinned_nnx_norm_row_says_it_normalises_in_float32_as_it_runs():
     traced = abj.trace(model, policy, jnp.ones((2, 3)))
     assert _same_dtypes(static, traced)
     assert "traced: ran" not in (traced["norm"].note or "")  # the static row already said what runs
+
+
+class _Idle(nnx.Module):  # reads a Linear's kernel directly (as Mamba does its conv1d): its call never runs
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, deterministic=True)
+        self.proj = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.fc(x)) @ self.proj.kernel[...]
+
+
+def test_a_no_op_row_keeps_its_static_row_and_an_idle_rule_warns():
+    import pytest
+
+    from ampbridge.core.plan import NO_OP
+
+    model = _Idle(nnx.Rngs(0))
+    policy = ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("proj",))
+    with pytest.warns(ampbridge.IdleRuleWarning, match=r"keep_float32\[0\] \(proj\) has no effect"):
+        traced = abj.trace(model, policy, jnp.ones((2, 4)))
+    assert traced["drop"].note.endswith(NO_OP) and traced["drop"].compute_dtype == "bfloat16"
+    assert traced["fc"].note is None and any("has no effect" in n for n in traced.notes)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ampbridge._testing import require
 
@@ -56,3 +57,49 @@ def test_inferred_registered_and_table_kinds():
     applied = ak.apply(_model(), policy)
     out = applied(np.ones((2, 3, 4), "float32"))
     assert applied.get_layer("norm").compute_dtype == "float32" and "float32" in str(out.dtype)
+
+
+class PreNorm(keras.layers.Layer):  # the common ViT wrapper: a LayerNormalization and the block it wraps
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.norm = keras.layers.LayerNormalization(name="norm")
+        self.fn = keras.layers.Dense(4, name="fn")
+
+    def call(self, x):
+        return self.fn(self.norm(x))
+
+
+class TinyNorm(keras.Model):  # a model whose own class name ends in Norm
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.pre = PreNorm(name="pre")
+        self.head = keras.layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(x + self.pre(x))
+
+
+def _tiny_norm():
+    model = TinyNorm()
+    model(np.ones((2, 4), "float32"))
+    return model
+
+
+def test_a_prenorm_wrapper_and_the_root_get_no_inferred_kind():
+    policy = ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",))
+    model = _tiny_norm()
+    plan = ak.plan(model, policy)
+    assert plan[""].kind is None and plan[""].kind_source == "norm by name, not inferred: the model itself"
+    assert plan["pre"].kind is None and plan["pre"].kind_source == "norm by name, not inferred: holds linear"
+    applied = ak.apply(model, policy)
+    pre = applied.pre
+    # what runs: the Keras layers' own policies (the wrapper and its Dense compute bfloat16)
+    assert (applied.compute_dtype, pre.compute_dtype, pre.norm.compute_dtype, pre.fn.compute_dtype) == \
+        ("bfloat16", "bfloat16", "float32", "bfloat16")
+    assert "bfloat16" in str(pre.fn(np.ones((2, 4), "float32")).dtype)
+    # an explicit [kinds] entry still makes the wrapper a norm: the rule reaches what it holds
+    table = policy.replace(kinds={"norm": ["PreNorm"]})
+    with pytest.warns(ampbridge.BroadRuleWarning, match=r"kind:norm\) reaches .* \(pre\)"):
+        applied = ak.apply(_tiny_norm(), table)  # the wrapper holds most of the model: said once
+    assert ak.plan(applied, table)["pre"].kind_text == "norm ([kinds] table)"
+    assert applied.pre.fn.compute_dtype == "float32" and applied.head.compute_dtype == "bfloat16"

@@ -59,3 +59,15 @@ def test_traced_row_shows_what_a_custom_layer_ran():
     others = {p: d for p, d in _dtypes(traced).items() if p != "up"}
     assert others == {p: d for p, d in _dtypes(static).items() if p != "up"}
     assert any(n.startswith("traced") for n in traced.notes)
+
+
+def test_an_inference_dropout_keeps_its_static_row_and_says_so():
+    from ampbridge.core.plan import NO_OP
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="fc"),
+                              keras.layers.Dropout(0.5, name="drop")])
+    policy = ampbridge.Policy(compute_dtype="bfloat16")
+    traced = ak.plan(model, policy, np.ones((2, 4), "float32"))
+    assert traced["drop"].note.endswith(NO_OP)  # Dropout at inference returns its input: no op ran
+    assert traced["drop"].compute_dtype == ak.plan(model, policy)["drop"].compute_dtype
+    assert NO_OP not in (traced["fc"].note or "")

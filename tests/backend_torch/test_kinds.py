@@ -110,3 +110,63 @@ def test_rule_reaching_no_recognised_class_is_said_once():
             ampbridge.torch.plan(model, policy)
     said = [str(w.message) for w in caught if issubclass(w.category, ampbridge.UnmatchedRuleWarning)]
     assert len(said) == 1 and "NormedProjection look like norm" in said[0]
+
+
+class PreNorm(nn.Module):  # the common ViT wrapper: a LayerNorm and the block it normalises for
+    def __init__(self, d, fn):
+        super().__init__()
+        self.norm, self.fn = nn.LayerNorm(d), fn
+
+    def forward(self, x):
+        return self.fn(self.norm(x))
+
+
+class TinyNorm(nn.Module):  # a model whose own class name ends in Norm
+    def __init__(self, d=8):
+        super().__init__()
+        self.pre = PreNorm(d, nn.Linear(d, d))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.head(x + self.pre(x))
+
+
+def test_a_prenorm_wrapper_and_the_root_get_no_inferred_kind(probe):
+    torch.manual_seed(0)
+    model = TinyNorm()
+    policy = ampbridge.Policy(compute_dtype="bfloat16", keep_float32=("kind:norm",))
+    amp = ampbridge.torch.apply(model, policy)
+    plan = amp.plan
+    assert plan[""].kind is None and plan[""].kind_source == "norm by name, not inferred: the model itself"
+    assert plan["pre"].kind is None and plan["pre"].kind_source == "norm by name, not inferred: holds linear"
+    assert [plan[p].compute_dtype for p in ("", "pre", "pre.norm", "pre.fn", "head")] == \
+        ["bfloat16", "bfloat16", "float32", "bfloat16", "bfloat16"]
+    x = torch.randn(2, 8)
+    with torch.no_grad(), probe.Probe(model) as seen:
+        model(x)
+    assert seen.out["pre.norm"] == torch.float32 and seen.out["pre.fn"] == torch.bfloat16  # what really ran
+    probe.check_plan(plan, seen, model=model)
+    amp.remove()
+    # an explicit [kinds] entry still makes the wrapper a norm: the rule reaches what it holds
+    with pytest.warns(ampbridge.BroadRuleWarning, match=r"kind:norm\) reaches .* \(pre\)"):
+        amp = ampbridge.torch.apply(model, policy.replace(kinds={"norm": ["PreNorm"]}))
+    assert amp.plan["pre"].kind_text == "norm ([kinds] table)" and amp.plan["pre.fn"].compute_dtype == "float32"
+    with torch.no_grad(), probe.Probe(model) as seen:
+        model(x)
+    assert seen.out["pre.fn"] == torch.float32
+    amp.remove()
+
+
+class TimestepEmbedding(nn.Module):  # as diffusers writes it: an MLP on sinusoidal features, no lookup table
+    def __init__(self, d=8):
+        super().__init__()
+        self.linear_1, self.act, self.linear_2 = nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d)
+
+    def forward(self, t):
+        return self.linear_2(self.act(self.linear_1(t)))
+
+
+def test_a_timestep_embedding_mlp_is_no_embedding():
+    model = nn.Sequential(TimestepEmbedding(), nn.Linear(8, 2))
+    plan = ampbridge.torch.plan(model, ampbridge.Policy(compute_dtype="bfloat16"))
+    assert plan["0"].kind is None and plan["0"].kind_source == "embedding by name, not inferred: holds linear"

@@ -143,3 +143,18 @@ def test_demo_without_frameworks_shows_the_policy_and_its_plan(capsys):
 def test_demo_bad_usage(capsys):
     assert run(capsys, "demo", "--frameworks", "tensorflowx")[0] == 2
     assert run(capsys, "demo", "--steps", "2", "--frameworks", "none")[0] == 2
+
+
+def test_explain_prints_each_note_once_as_a_footnote_and_json_keeps_every_note(tmp_path, capsys, monkeypatch):
+    require("torch")
+    (tmp_path / "demo_models.py").write_text(
+        "from ampbridge.cli.demo import torch_model\ndef build():\n    return torch_model.build(0)\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "explain", str(EXAMPLES / "amp.toml"), "--model", "demo_models:build")
+    assert code == 0 and max(map(len, out.splitlines())) <= 120
+    stream = "called from block's own code, which computes in float16"
+    assert out.count(stream) == 1 and "[3] " + stream in out  # block.norm1 and block.norm2 share it
+    code, out, _ = run(capsys, "explain", str(EXAMPLES / "amp.toml"), "--model", "demo_models:build",
+                       "--format", "json")
+    rows = {r["path"]: r for r in json.loads(out)["rows"]}
+    assert rows["block.norm1"]["note"].startswith(stream) and rows["block.norm2"]["note"] == rows["block.norm1"]["note"]

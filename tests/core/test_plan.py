@@ -85,7 +85,10 @@ def test_table_and_json():
     pl = plan(p, framework="neutral")
     text = pl.table()
     assert text.splitlines()[0].startswith("Plan (neutral): compute float16, params float32")
-    assert "encoder.layers.0.norm" in text and "keep_float32[0] kind:norm" in text
+    # the full layout would take 126 characters: the tree layout (names under their parents, a legend)
+    assert max(map(len, text.splitlines())) <= 120
+    assert "\n  norm       norm       LayerNorm           8       f32/f32/f32  keep_float32[0]\n" in text
+    assert "rules: keep_float32[0] = kind:norm" in text and "dtypes: compute/param/output; f16 float16" in text
     assert "parameters by compute dtype" in text
     assert "encoder.layers.0.norm" not in pl.table(only_ruled=True).replace("keep_float32", "") or True
     data = json.loads(pl.to_json())
@@ -117,7 +120,32 @@ def test_adjust_hook_and_notes():
 
     pl = plan(Policy(compute_dtype="float16"), adjust=cpu_autocast, notes=["device cpu"])
     assert pl["encoder.layers.0.norm"].compute_dtype == "float32"
-    assert "[autocast runs layer_norm in float32]" in pl.table() and "note: device cpu" in pl.table()
+    # the row's note is a footnote under the table (numbered in the row's notes column)
+    assert "[1] autocast runs layer_norm in float32" in pl.table() and "note: device cpu" in pl.table()
+
+
+def test_notes_are_numbered_footnotes_printed_once_and_json_keeps_every_note():
+    long = "called from block's own code, which computes in float16: " + "x " * 120
+    layers = [Layer(""), Layer("block"), Layer("block.a", "norm", "LayerNorm", 4), Layer("block.b", "norm", "LayerNorm", 4),
+              Layer("block.c", "linear", "Linear", 4), Layer("d", "norm", "LlamaRMSNorm", 4, "base class VeryLongNormBase")]
+
+    def note(row):
+        return ampbridge.core.plan.with_note(row, long) if row.kind == "norm" and row.path != "d" else row
+
+    pl = build_plan(layers, Policy(compute_dtype="float16", keep_float32=("kind:norm",)), adjust=note)
+    text = pl.table()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 120
+    body = {line.split()[0]: line for line in lines[3:9]}
+    assert body["block.a"].endswith("  1") and body["block.b"].endswith("  1") and body["block.c"].endswith("default")
+    # a kind source too long for its column: the kind stays, how it was decided is a footnote
+    assert "norm (base class VeryLongNormBase)" not in body["d"] and body["d"].endswith("  2")
+    assert text.count("[1] called from block's own code") == 1 and "[2] kind: norm (base class VeryLongNormBase)" in text
+    wrapped = lines[lines.index(next(x for x in lines if x.startswith("[1]"))) + 1]
+    assert wrapped.startswith("    x x")  # continuation lines under the footnote's text
+    rows = {r["path"]: r for r in json.loads(pl.to_json())["rows"]}
+    assert rows["block.a"]["note"] == long and rows["block.b"]["note"] == long and rows["block.c"]["note"] is None
+    assert "notes" not in build_plan(layers[:3], Policy()).table().splitlines()[1]  # no notes: no column
 
 
 def test_phased_policy_plans_the_first_phase():
@@ -197,3 +225,27 @@ def test_rows_inherited_from_the_root_say_so():
     # "**" matches "a" directly; a root-only rule is inherited
     pl = plan(Policy(overrides=(Rule("type:Model", compute_dtype="bfloat16"),)), layers)
     assert pl["a"].inherited_from == "" and pl["a"].decided_by == "override[0] type:Model (via the model)"
+
+
+def test_a_deep_model_prints_as_a_tree_under_120_characters():
+    deep = "encoder.block.0.layer.1.EncDecAttention"
+    # breadth first, as Flax NNX lists modules; "layers" (a plain list) is no layer of its own
+    layers = [Layer("", None, "T5ForConditionalGeneration"), Layer("encoder", None, "T5Stack"),
+              Layer("head", "linear", "Linear", 10), Layer("encoder.block.0", None, "T5Block"),
+              Layer(deep, "attention", "T5Attention", 0, "class name"),
+              Layer(deep + ".relative_attention_bias", "embedding", "Embedding", 64, "framework class"),
+              Layer(deep + ".q", "linear", "Linear", 256, "framework class"),
+              Layer("encoder.layers.0", "norm", "LayerNorm", 4, "framework class")]
+    policy = Policy(compute_dtype="bfloat16", keep_float32=("kind:attention",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ampbridge.BroadRuleWarning)
+        text = build_plan(layers, policy).table()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 120 and deep + ".q" not in text
+    names = [line[:lines[1].index("kind")].rstrip() for line in lines[3:3 + len(layers)]]
+    assert names == ["(root)", " encoder", "  block.0", "   layer.1.EncDecAttention", "    relative_attention_bias",
+                     "    q", "  layers.0", " head"]  # depth first, each under the nearest listed ancestor
+    q = lines[3 + names.index("    q")]
+    assert q.split()[-3:] == ["f32/f32/f32", "keep_float32[0]", "^"]  # follows its attention's match
+    assert "rules: keep_float32[0] = kind:attention (^: follows an enclosing layer the rule matched)" in text
+    assert "[1] kind: attention (class name)" in text

@@ -85,6 +85,7 @@ class Applied:
 
     # -- the Flax API --
     def _interceptor(self, observer: Callable | None = None) -> Any:
+        self._resolver.settle(self._known)  # inferred kinds as the whole tree settles them
         return _LinenInterceptor(self._resolver, record=self._known, observer=observer, fixed=self._fixed)
 
     @contextlib.contextmanager
@@ -94,24 +95,43 @@ class Applied:
             with nn.intercept_methods(interceptor):
                 yield
 
+    def _learn_tree(self, rngs: Any, args: tuple, method: Any, kwargs: dict) -> None:
+        """Before the first ``init`` of a policy with ``kind:`` rules: trace ``init`` once (nothing
+        computed) to learn the module tree, so a container's inferred kind is settled by what it
+        holds (:func:`~ampbridge.core.kinds.settle_kinds`) before any parameter is made."""
+        if self._known or not any(m.startswith("kind:") for _, rule in self.policy.rules for m in rule.match):
+            return
+        recorder = _LinenInterceptor(self._resolver, record=self._known, memo={}, fixed=self._fixed)
+
+        def run() -> Any:
+            recorder.top_trace = _trace_state()
+            with _linen().intercept_methods(recorder):
+                return self.module.init(rngs, *args, method=method, **kwargs)
+
+        with gc_paused():
+            jax.eval_shape(run)
+
     def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         """``module.init`` with parameters created in each row's ``param_dtype``.
 
         Warns (:class:`ampbridge.UnmatchedRuleWarning`) once for each rule no module matched.
         """
+        self._learn_tree(rngs, args, method, kwargs)
         with self._scope(self._interceptor()):
             variables = self.module.init(rngs, *args, method=method, **kwargs)
         self._warn_unmatched()
         return self.cast_params(variables)
 
     def _warn_unmatched(self) -> None:
-        if getattr(self, "_warned_unmatched", False) or not self.policy.rules:
+        if getattr(self, "_warned_unmatched", False) or not (self.policy.rules or self.policy.kinds):
             return
         self._warned_unmatched = True
-        layers = [Layer(path, kind, cls) for path, (kind, cls, _) in self._known.items()]
+        layers = [Layer(path, kind, cls, 0, getattr(facts, "kind_source", None))
+                  for path, (kind, cls, facts) in self._known.items()]
         build_plan(layers, self.policy, framework=FRAMEWORK, warn=True)
 
     def init_with_output(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        self._learn_tree(rngs, args, method, kwargs)
         with self._scope(self._interceptor()):
             out, variables = self.module.init_with_output(rngs, *args, method=method, **kwargs)
         self._warn_unmatched()
@@ -155,6 +175,7 @@ class Applied:
 
     # -- parameters --
     def _rows_for_paths(self, paths: Iterable[str]) -> dict[str, PlanRow]:
+        self._resolver.settle(self._known)
         rows = {}
         for path in paths:
             parts = path.split(".") if path else []

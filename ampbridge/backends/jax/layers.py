@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core.kinds import KindRegistry, infer_kind
+from ...core.kinds import KindRegistry, infer_kind, settle_kinds
 from ...core.matching import join_path
 from ...core.plan import Layer, PlanRow, RowResolver, with_note
 from ...core.policy import Policy
@@ -287,9 +287,30 @@ class _Resolver:
         self._resolve = RowResolver(policy)
         self._rows: dict[tuple, PlanRow] = {}
         self._lock = threading.Lock()
+        self._settled: dict[str, str | None] = {}  # path -> its kind where settle_kinds changed it
+        self._settled_from = -1  # how many modules the tree had when settled
+
+    def settle(self, known: dict[str, tuple[str | None, str, Any]]) -> None:
+        """Learn which inferred kinds the whole module tree takes away (:func:`settle_kinds`: a
+        wrapper named like a norm holding a Dense, the model itself); ``known``: path -> (kind,
+        class name, facts), as the recording interceptor fills it. Rows resolved later follow it."""
+        if len(known) == self._settled_from:
+            return
+        items = list(known.items())
+        raw = [Layer(path, kind, cls, 0, getattr(facts, "kind_source", None)) for path, (kind, cls, facts) in items]
+        listed = [self._resolve.layer(layer) for layer in raw]  # the [kinds] table first, as build_plan
+        settled = {layer.path: layer.kind for layer, before in zip(settle_kinds(listed), listed)
+                   if layer.kind != before.kind}
+        with self._lock:
+            if settled != self._settled:
+                self._settled, self._rows = settled, {}
+            self._settled_from = len(items)
 
     def row(self, chain: tuple[tuple[str, str | None, str, tuple[str, str] | None], ...]) -> PlanRow:
         """``chain``: (path, kind, class name, dtypes the author fixed) from the root down to the module."""
+        settled = self._settled
+        if settled:
+            chain = tuple((p, settled[p] if p in settled else k, c, f) for p, k, c, f in chain)
         with self._lock:
             hit = self._rows.get(chain)
         if hit is not None:

@@ -17,13 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ...core.plan import Plan, not_run, traced_plan, traced_row
+from ...core.plan import NO_OP, Plan, join_notes, not_run, traced_plan, traced_row, with_note
 from ...core.policy import Policy
 from .apply import Applied, apply
 from .plan import plan as _static_plan
 
 _MARK = "ampbridge-trace:"
 #: the ops that say what a module computes in, per kind (None: every module)
+_ACTED = "\x00acted"  # _ran's key for the paths that ran any op
 _MAIN = {"dot_general": None, "conv_general_dilated": None, "rsqrt": "norm", "gather": "embedding"}
 
 
@@ -48,16 +49,20 @@ def trace(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True, **k
         static = _static_plan(model, policy, *inputs, warn=warn, **kwargs)
         applied = model if isinstance(model, Applied) else apply(model, static.policy)
         ran, delivered = _trace_linen(applied, inputs, kwargs)
+    acted = {m for _, m in ran.pop(_ACTED, ())}
     rows = []
     for row in static.rows:
         if row.path not in delivered and row.path not in ran:
             rows.append(not_run(row))
             continue
+        if row.path not in acted:  # a deterministic Dropout returns its input: no op ran
+            rows.append(with_note(row, join_notes(row.note, NO_OP)))
+            continue
         noted_f32 = "float32" in (row.note or "")  # e.g. Flax's norm statistics: the static row says so
         ops = {d for prim, d in ran.get(row.path, ()) if _MAIN[prim] in (None, row.kind)
                and not (prim == "rsqrt" and noted_f32)}
         rows.append(traced_row(row, ops, delivered.get(row.path)))
-    return traced_plan(static, rows)
+    return traced_plan(static, rows, ran=set(delivered) | set(ran))
 
 
 def _trace_linen(applied: Applied, inputs: tuple, kwargs: dict) -> tuple[dict, dict]:
@@ -121,12 +126,14 @@ def _eqns(jaxpr: Any) -> Any:
 
 
 def _ran(jaxpr: Any) -> dict[str, list[tuple[str, str]]]:
-    """path -> (primitive, dtype) of the main ops that module ran itself (not its submodules)."""
-    ran: dict[str, list[tuple[str, str]]] = {}
+    """path -> (primitive, dtype) of the main ops that module ran itself (not its submodules); under
+    :data:`_ACTED`, the paths during whose call (theirs or a submodule's) any op ran at all."""
+    ran: dict[str, list[tuple[str, str]]] = {_ACTED: []}
     for eqn in _eqns(jaxpr):
+        marks = [s[len(_MARK):] for s in str(eqn.source_info.name_stack).split("/") if s.startswith(_MARK)]
+        ran[_ACTED].extend(("", m) for m in marks)
         if eqn.primitive.name not in _MAIN:
             continue
-        marks = [s[len(_MARK):] for s in str(eqn.source_info.name_stack).split("/") if s.startswith(_MARK)]
         if marks:
             ran.setdefault(marks[-1], []).append((eqn.primitive.name, str(eqn.outvars[0].aval.dtype)))
     return ran

@@ -12,7 +12,7 @@ from typing import Any
 
 import keras
 
-from ...core.plan import Plan, not_run, traced_plan, traced_row
+from ...core.plan import NO_OP, Plan, join_notes, not_run, traced_plan, traced_row, with_note
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .apply import _is_float, apply
@@ -62,10 +62,14 @@ def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> P
         if not (rec["returns"] or rec["outputs"]):
             rows.append(not_run(row))
             continue
+        if rec["returns"] and not rec["acted"]:  # its call ran no op: the static row stays
+            rows.append(with_note(row, join_notes(row.note, NO_OP)))
+            continue
         internal = "internally" in (row.note or "")  # Keras upcasts inside the call: the probe cannot see it
         compute = None if internal or composite.get(row.path) else rec["returns"]
         rows.append(traced_row(row, compute, rec["outputs"]))
-    return traced_plan(static, rows)
+    ran = {path for path, rec in records.items() if rec["returns"] or rec["outputs"]}
+    return traced_plan(static, rows, ran=ran)
 
 
 def _probe(model: Any) -> dict[str, dict[str, set[str]]]:
@@ -73,12 +77,14 @@ def _probe(model: Any) -> dict[str, dict[str, set[str]]]:
     the clone's class is swapped for a recording subclass, whatever wraps ``call``)."""
     records: dict[str, dict[str, set[str]]] = {}
     for path, layer in layers(model):
-        rec = records.setdefault(path, {"returns": set(), "outputs": set()})
+        rec = records.setdefault(path, {"returns": set(), "outputs": set(), "acted": set()})
         inner = layer.call
 
         def call(*args: Any, _inner: Any = inner, _rec: Any = rec, **kwargs: Any) -> Any:
             out = _inner(*args, **kwargs)
             _rec["returns"] |= _floats(out)
+            if not (args and out is args[0]):  # Dropout at inference returns its input: no op ran
+                _rec["acted"] = {"yes"}
             return out
 
         object.__setattr__(layer, "call", call)

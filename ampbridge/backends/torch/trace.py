@@ -7,19 +7,22 @@ Holds ``_trace``.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...core.plan import Plan, join_notes, not_run, with_note
+from ...core.plan import NO_OP, Plan, idle_rules, join_notes, not_run, with_note
 from .environment import _NAMES, DTYPES
 
 _COMPUTE_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_trilinear", "native_layer_norm",
                 "native_group_norm", "native_batch_norm", "_native_batch_norm_legit", "_softmax", "_log_softmax",
                 "embedding", "_embedding_bag", "mkldnn_rnn_layer", "_fused_rms_norm", "gelu",
                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                "_scaled_dot_product_flash_attention", "_cudnn_rnn", "cudnn_batch_norm", "_prelu_kernel")
+                "_scaled_dot_product_flash_attention", "_cudnn_rnn", "cudnn_batch_norm", "_prelu_kernel",
+                # MoE experts (transformers' Mixtral, Qwen2-MoE): no autocast rule on CPU casts them
+                "_grouped_mm", "grouped_mm", "_native_multi_head_attention")
 _IGNORED_OPS = ("_to_copy", "copy_", "detach", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
                 "arange", "lift_fresh")
 
@@ -32,6 +35,8 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
     paths = {id(m): p for p, m in model.named_modules()}
     stack: list[str] = []
     main: dict[str, list[str]] = defaultdict(list)  # path -> dtypes of its main ops
+    ops: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # path -> main op -> dtypes
+    acted: set[str] = set()  # paths during whose forward (theirs or their children's) a floating op ran
     last: dict[str, str] = {}  # path -> dtype of its last floating op
     regions: dict[str, str] = {}  # path -> region seen by its children
     delivered: dict[str, str] = {}  # path -> dtype of its (first floating) output
@@ -68,8 +73,10 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
                 if isinstance(first, torch.Tensor) and first.is_floating_point():
                     dtype = _NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
                     last[stack[-1]] = dtype
+                    acted.update(stack)
                     if name in _COMPUTE_OPS:
                         main[stack[-1]].append(dtype)
+                        ops[stack[-1]][name].add(dtype)
             return out
 
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -93,6 +100,10 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
             rows.append(row if row.note and "used by" in row.note else
                         not_run(row))
             continue
+        if path not in acted:  # an eval-mode Dropout returns its input: nothing was observed
+            rows.append(with_note(row, join_notes(row.note, NO_OP)))
+            continue
+        row = _other_ops(row, ops.get(path, {}))
         if path in regions and not main.get(path):
             observed = regions[path]
         elif main.get(path):
@@ -110,6 +121,20 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
             changes["output_dtype"] = delivered[path]
         reason = row.note.split(" (")[0] if follows and row.note else row.note
         rows.append(with_note(row, join_notes(reason, f"traced: ran in {observed}"), **changes))
-    return Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
-                amp.plan.notes + ("traced: compute dtypes observed in one forward",))
+    traced = Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
+                  amp.plan.notes + ("traced: compute dtypes observed in one forward",))
+    idle = idle_rules(traced, ran)
+    return replace(traced, notes=traced.notes + tuple(idle)) if idle else traced
+
+
+def _other_ops(row: Any, ops: dict[str, set[str]]) -> Any:
+    """The row with ``other_ops`` set where some of its main ops ran in a dtype that is not the one
+    the row computes in (after the trace) while others ran in it (a mixed row keeps its compute)."""
+    if not ops:
+        return row
+    dtypes = {d for seen in ops.values() for d in seen}
+    if len(dtypes) < 2:  # one dtype: the row's compute column says it (the trace replaces it)
+        return row
+    other = tuple(sorted(f"{op} {d}" for op, seen in ops.items() for d in seen if d != row.compute_dtype))
+    return replace(row, other_ops=other) if other else row
 
