@@ -105,11 +105,11 @@ def _number(*, low: float | None = None, low_open: bool = False, high: float | N
     return check
 
 
-def _integer(*, low: int, what: str) -> Callable[[Any], int]:
+def _integer(*, low: int, what: str, high: int | None = None) -> Callable[[Any], int]:
     def check(v: Any) -> int:
         if not isinstance(v, int) or isinstance(v, bool):
             raise Invalid("must be an integer", what)
-        if v < low:
+        if v < low or (high is not None and v > high):
             raise Invalid("out of range", what)
         return int(v)
 
@@ -199,6 +199,14 @@ LOSS_SCALE_FIELDS: tuple[FieldSpec, ...] = (
               "what an overflow at min_scale does", {"enum": ["clamp", "warn", "error"]}),
     FieldSpec("skip_nonfinite", check_bool, True,
               "skip the optimizer step when any gradient is inf/nan", {"type": "boolean"}),
+    FieldSpec("first_growth_interval", _integer(low=1, what="an integer >= 1"), None,
+              "finite steps before the first growth, at the start and after each non-finite step "
+              "(absent: growth_interval)", {"type": "integer", "minimum": 1}, optional=True),
+    FieldSpec("max_consecutive_skips", _integer(low=0, high=2**31 - 1, what="an integer from 0 to 2147483647"),
+              None,
+              "after this many non-finite steps skipped in a row, non-finite steps are applied until a "
+              "finite one (absent: always skip)", {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+              optional=True),
 )
 
 RULE_FIELDS: tuple[FieldSpec, ...] = (
@@ -355,6 +363,10 @@ def check_loss_scale_consistency(values: Mapping[str, Any], where: Callable[[str
     if lo is not None and hi is not None and lo > hi:
         out.add(where("min_scale"), "min_scale is greater than max_scale", value=lo,
                 accepted=f"a value <= max_scale ({hi})")
+    if values.get("max_consecutive_skips") is not None and values.get("skip_nonfinite") is False:
+        out.add(where("max_consecutive_skips"), "max_consecutive_skips limits skipping, and "
+                "skip_nonfinite = false skips nothing", value=values["max_consecutive_skips"],
+                accepted="no max_consecutive_skips, or skip_nonfinite = true")
     if values.get("mode") in ("auto", "dynamic") and init is not None:
         if lo is not None and init < lo:
             out.add(where("initial_scale"), "initial_scale is below min_scale", value=init,
