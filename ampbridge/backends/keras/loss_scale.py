@@ -143,7 +143,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         def extra() -> None:
             start = initial_state(self._config)
             self.dynamic_scale.assign(np.float32(start.scale))
-            self.step_counter.assign(start.good_steps)  # first_growth_interval: not 0
             for attr, init in (("hysteresis_left", start.hysteresis_left), ("loss_scale_steps", 0),
                                ("skipped_steps", 0), ("min_scale_overflows", 0), ("nonfinite_streak", 0)):
                 setattr(self, attr, self.add_variable(
@@ -153,6 +152,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         extra()
         if self._monitor is not None:
             self._build_monitor_variables()
+
+    def add_variable(self, *args: Any, **kwargs: Any) -> Any:
+        # Keras's build creates step_counter (good_steps) at zero; with first_growth_interval it starts
+        # elsewhere. Set as the initializer: an assign in build would be lost when a tf.function builds
+        if kwargs.get("name") == "step_counter" and initial_state(self._config).good_steps:
+            kwargs["initializer"] = keras.initializers.Constant(initial_state(self._config).good_steps)
+        return super().add_variable(*args, **kwargs)
 
     @property
     def _state_variables(self) -> list[Any]:
