@@ -85,7 +85,7 @@ _PYDANTIC_TRUE = ("1", "on", "t", "true", "y", "yes")
 _PYDANTIC_FALSE = ("0", "off", "f", "false", "n", "no")
 
 
-def _ds_coerce(key: str, v: Any) -> Any:
+def _ds_coerce(key: str, v: Any, fractional_floor: bool = False) -> Any:
     """``fp16.<key>`` as DeepSpeed's own config model (``DeepSpeedFP16Config``, precision_config.py of
     0.19.8, pydantic in lax mode) reads it; raises ValueError with what it accepts otherwise."""
     if key == "loss_scale":
@@ -108,7 +108,7 @@ def _ds_coerce(key: str, v: Any) -> Any:
             return int(v)
         if isinstance(v, float) and v.is_integer():
             return int(v)
-        if key == "min_loss_scale" and isinstance(v, float) and math.isfinite(v):
+        if fractional_floor and key == "min_loss_scale" and isinstance(v, float) and math.isfinite(v):
             return v  # 0.19.8 declares it an int; older releases took a fractional floor (ampbridge's writer notes it)
         if not isinstance(v, int):
             raise ValueError("an integer")
@@ -116,14 +116,14 @@ def _ds_coerce(key: str, v: Any) -> Any:
     # the booleans: enabled, auto_cast, consecutive_hysteresis, fp16_master_weights_and_grads
     if isinstance(v, bool):
         return v
-    if isinstance(v, int) and v in (0, 1):
+    if isinstance(v, (int, float)) and v in (0, 1):
         return bool(v)
     if isinstance(v, str) and v.strip().lower() in _PYDANTIC_TRUE + _PYDANTIC_FALSE:
         return v.strip().lower() in _PYDANTIC_TRUE
     raise ValueError("a boolean (true, false, 0, 1, 'yes', 'no', 'on', 'off')")
 
 
-def _ds_fp16_check(r: _Reader, fp16: Mapping[str, Any]) -> dict[str, Any]:
+def _ds_fp16_check(r: _Reader, fp16: Mapping[str, Any], version: str) -> dict[str, Any]:
     """The fp16 section validated as DeepSpeed validates it, whether or not fp16 is enabled (a bad
     ``loss_scale`` stops DeepSpeed even then), and returned with DeepSpeed's coerced values."""
     out: dict[str, Any] = dict(fp16)
@@ -131,7 +131,7 @@ def _ds_fp16_check(r: _Reader, fp16: Mapping[str, Any]) -> dict[str, Any]:
         if key not in fp16 or fp16[key] == "auto":  # 'auto': _no_auto and _resolve_enabled say
             continue
         try:
-            out[key] = _ds_coerce(key, fp16[key])
+            out[key] = _ds_coerce(key, fp16[key], _rel.parse(version) < _rel.parse("0.19.8"))
         except ValueError as e:
             r.problem(("fp16", key), f"DeepSpeed's config model rejects it: must be {e}", value=fp16[key],
                       accepted=str(e))
@@ -224,7 +224,7 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
     amp = r.section(config, "amp") or {}
     zero = r.section(config, "zero_optimization") or {}
     r.check_keys(fp16, _DS_FP16_KEYS, ("fp16",), "DeepSpeed's fp16 section")
-    fp16 = _ds_fp16_check(r, fp16)
+    fp16 = _ds_fp16_check(r, fp16, version)
     r.check_keys(bf16, _DS_BF16_KEYS, bf16_path, "DeepSpeed's bf16 section")
     r.check_keys(autocast, _DS_AUTOCAST_KEYS, ("torch_autocast",), "DeepSpeed's torch_autocast section")
     r.check_keys(amp, _APEX_KEYS, ("amp",), "DeepSpeed's amp section (apex amp.initialize arguments)")
@@ -619,7 +619,12 @@ def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], sec
         if ls.on_min_scale != "error":
             w.loss("loss_scale.on_min_scale", ls.on_min_scale, "DeepSpeed's ZeRO loss scaler raises when an "
                    "overflow hits min_loss_scale (on_min_scale='error'); without ZeRO it clamps")
-    if not float(section.get("min_loss_scale", 1)).is_integer():
+    floor = section.get("min_loss_scale", 1)
+    if not float(floor).is_integer() and _rel.parse(version) >= _rel.parse("0.19.8"):
+        section["min_loss_scale"] = max(1, math.ceil(floor))
+        w.loss("loss_scale.min_scale", ls.min_scale, f"DeepSpeed {version}'s config model takes an integer "
+               f"min_loss_scale (a fraction is refused): written as {section['min_loss_scale']}")
+    elif not float(floor).is_integer():
         w.note("DeepSpeed's config model (deepspeedai/DeepSpeed precision_config.py) declares min_loss_scale an "
                "int; a fractional floor needs an older release")
     for key, expected, text in (("growth_factor", 2.0, "x2"), ("backoff_factor", 0.5, "x0.5")):
