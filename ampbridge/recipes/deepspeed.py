@@ -146,6 +146,22 @@ def _ds_fp16_check(r: _Reader, fp16: Mapping[str, Any], version: str) -> dict[st
     return out
 
 
+def read_fp16_section(fp16: Mapping[str, Any], *, version: str | None = None) -> dict[str, Any]:
+    """DeepSpeed's ``fp16`` section as DeepSpeed's config model reads it: validated (PolicyError, one
+    line per problem) and coerced (``"128"`` -> 128.0), the keys given only; what ``from_deepspeed``
+    reads, enabled or not.
+
+    Example:
+        >>> read_fp16_section({"loss_scale": "128", "hysteresis": 2.0})
+        {'loss_scale': 128.0, 'hysteresis': 2}
+    """
+    r = _Reader("deepspeed")
+    r.check_keys(fp16, _DS_FP16_KEYS, ("fp16",), "DeepSpeed's fp16 section")
+    out = _ds_fp16_check(r, fp16, _rel.resolve(version, None))
+    r.raise_if_any()
+    return out
+
+
 def _no_auto(r: _Reader, section: Mapping[str, Any], path: tuple, allowed: Sequence[str]) -> None:
     for key, v in section.items():
         if v == "auto" and key not in allowed:
