@@ -18,9 +18,13 @@ chex's variants become parameters (``with_jit`` / ``without_jit``); upstream cla
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ampbridge import LossScaleConfig
 from ampbridge._testing import require
@@ -190,17 +194,38 @@ def test_ConditionallyMaskTest(name):
 
 # --- ampbridge's own checks: the swap is not vacuous ----------------------------------------------
 
-def test_the_real_optax_agrees_step_for_step():
-    """The same gradient stream through optax.apply_if_finite and ampbridge: the same parameters after
-    every step (NaN included) and notfinite_count == nonfinite_streak."""
-    stream = [1., jnp.nan, jnp.nan, 1., jnp.nan, jnp.nan, jnp.nan, jnp.nan, 1., jnp.nan]
-    theirs_opt, ours_opt = optax.apply_if_finite(optax.sgd(1.), 2), apply_if_finite(optax.sgd(1.), 2)
+EXAMPLES = 500 if os.environ.get("AMPBRIDGE_FUZZ") else 60
+
+
+_STEPS: dict = {}
+
+
+def _steps(limit):
+    """Jitted update steps of optax.apply_if_finite and ampbridge for one limit (compiled once)."""
+    if limit not in _STEPS:
+        theirs, ours = optax.apply_if_finite(optax.sgd(1.), limit), apply_if_finite(optax.sgd(1.), limit)
+
+        def step(opt):
+            def run(p, s, g):
+                u, s = opt.update(g, s, p)
+                return optax.apply_updates(p, u), s
+            return jax.jit(run)
+        _STEPS[limit] = (theirs, step(theirs), ours, step(ours))
+    return _STEPS[limit]
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(st.integers(0, 4), st.lists(st.booleans(), min_size=1, max_size=16))
+def test_the_real_optax_agrees_step_for_step(limit, nonfinite):
+    """Random gradient streams through optax.apply_if_finite and ampbridge (the property behind
+    max_consecutive_skips): the same parameters after every step, NaN included, and
+    notfinite_count == nonfinite_streak."""
+    theirs_opt, theirs_step, ours_opt, ours_step = _steps(limit)
     p1 = p2 = jnp.array(0.)
     s1, s2 = theirs_opt.init(p1), ours_opt.init(p2)
-    for g in stream:
-        u1, s1 = theirs_opt.update(jnp.array(g), s1, p1)
-        u2, s2 = ours_opt.update(jnp.array(g), s2, p2)
-        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    for bad in nonfinite:
+        g = jnp.array(jnp.nan if bad else 1.)
+        (p1, s1), (p2, s2) = theirs_step(p1, s1, g), ours_step(p2, s2, g)
         assert jnp.array_equal(p1, p2, equal_nan=True)
         assert int(s1.notfinite_count) == int(field(s2, "notfinite_count"))
         p1, p2 = jnp.where(jnp.isnan(p1), 0., p1), jnp.where(jnp.isnan(p2), 0., p2)  # keep going after a NaN

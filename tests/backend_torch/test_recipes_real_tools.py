@@ -11,11 +11,14 @@ lookup is replaced by rank 0, the scale arithmetic is DeepSpeed's.
 
 from __future__ import annotations
 
+import os
 import random
 import types
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ampbridge import LossScaleError, PolicyError, initial_state, next_state, recipes
 from ampbridge._testing import require
@@ -193,6 +196,58 @@ def test_every_zero_stage_follows_the_real_scaler_over_17_sequences(stage):
     # one sequence (window 1000, a random overflow every ~250 steps) decays to the minimum, where ZeRO
     # exits and ampbridge raises at the same step (FP16_Optimizer clamps instead and runs on)
     assert steps >= (17 if stage == 0 else 16) * STEPS and overflowed > 1000 and grown > 1000
+
+
+def drive_zero(real, seq):
+    """(scale, hysteresis left) of the real ZeRO scaler after each step; "raised" where it exits."""
+    out = []
+    for found_inf in seq:
+        try:
+            real.update_scale(found_inf)
+        except Exception:
+            out.append("raised")
+            break
+        out.append((float(real.cur_scale), int(real.cur_hysteresis)))
+    return out
+
+
+def reference_pairs(policy, seq, hysteresis=True):
+    cfg = policy.resolved_loss_scale
+    state, out = initial_state(cfg), []
+    for found_inf in seq:
+        try:
+            state = next_state(cfg, state, found_inf)
+        except LossScaleError:
+            out.append("raised")
+            break
+        out.append((state.scale, state.hysteresis_left) if hysteresis else state.scale)
+    return out
+
+
+@settings(max_examples=300 if os.environ.get("AMPBRIDGE_FUZZ") else 60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 3), st.booleans(), st.integers(2, 12), st.integers(1, 4),
+       st.sampled_from([0, 1, 2, 3]), st.lists(st.booleans(), min_size=1, max_size=300))
+def test_the_real_scaler_matches_any_converted_config(window, hysteresis, consecutive, power, floor, stage, seq):
+    """The property behind first_growth_interval: for random DeepSpeed fp16 settings, ZeRO stage and
+    overflow sequence, the real 0.19.8 scaler of that stage and the converted config agree at every step."""
+    config = {"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": power, "loss_scale_window": window,
+                                              "hysteresis": hysteresis, "consecutive_hysteresis": consecutive,
+                                              "min_loss_scale": floor}, "zero_optimization": {"stage": stage}}
+    ds_cfg = DeepSpeedConfig(config).float16_config
+    conversion = recipes.from_deepspeed(config)
+    assert conversion.exact
+    if stage:
+        real = ds_loss_scaler.CreateLossScaler(torch.half, 0, True, ds_cfg.dynamic_loss_scale_args())
+        theirs = drive_zero(real, seq)
+    else:
+        state = ds_loss_scaler.LossScaleConfig(torch.float16, True, ds_cfg.loss_scale, ds_cfg.dynamic_loss_scale_args(),
+                                               initial_dynamic_scale=ds_cfg.initial_dynamic_scale())
+        fake = types.SimpleNamespace(loss_scale_config=state, verbose=False)
+        theirs = []
+        for found_inf in seq:
+            FP16_Optimizer._update_scale(fake, found_inf)
+            theirs.append(float(state.cur_scale))
+    assert reference_pairs(conversion.result, seq, hysteresis=bool(stage)) == theirs
 
 
 def test_clean_run_grows_where_deepspeed_does():
