@@ -377,7 +377,7 @@ def test_unscale_and_reset_helpers():
     _, state = tx.update(synthetic_grads(True), state, params0())
     fresh = abj.reset_loss_scale(state, cfg)
     assert abj.loss_scale(fresh).to_reference() == ampbridge.LossScaleState(
-        scale=64.0, good_steps=0, hysteresis_left=1, steps=2, skipped=1, nonfinite_streak=1)  # run counters kept
+        scale=64.0, good_steps=0, hysteresis_left=1, steps=2, skipped=1)
     assert fresh.inner_state is state.inner_state
 
 
