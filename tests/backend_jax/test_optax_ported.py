@@ -7,8 +7,8 @@ Source: google-deepmind/optax, optax/transforms/_conditionality_test.py as store
 ``total_notfinite``, an update applied once ``notfinite_count > max_consecutive_errors``).
 
 What is swapped: ``_conditionality.apply_if_finite(inner, N)`` becomes :func:`apply_if_finite`,
-``ampbridge.jax.optimizer(inner, LossScaleConfig(mode="none", skip_nonfinite=True,
-max_consecutive_skips=N))``; the optax state fields the tests read become :func:`field` of ampbridge's
+``ampbridge.jax.optimizer(inner, recipes.from_optax({"max_consecutive_errors": N}).result)``, i.e.
+``LossScaleConfig(mode="none", skip_nonfinite=True, max_consecutive_skips=N)``; the optax state fields the tests read become :func:`field` of ampbridge's
 ``AmpState``: ``notfinite_count`` is ``nonfinite_streak``, ``last_finite`` is ``nonfinite_streak == 0``
 (exact while ``max_consecutive_skips`` is set, as here). ``total_notfinite`` (every non-finite update,
 skipped or applied) has no ampbridge counterpart: ampbridge counts the *skipped* ones (``skipped``);
@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ampbridge import LossScaleConfig
+from ampbridge import LossScaleConfig, recipes
 from ampbridge._testing import require
 
 optax = require("optax")
@@ -59,9 +59,10 @@ def not_applicable(request):
 
 
 def apply_if_finite(inner, max_consecutive_errors):
-    """The swap for ``optax.apply_if_finite``."""
-    return abj.optimizer(inner, LossScaleConfig(mode="none", skip_nonfinite=True,
-                                                max_consecutive_skips=max_consecutive_errors))
+    """The swap for ``optax.apply_if_finite``: the settings ``recipes.from_optax`` reads from its arguments."""
+    config = recipes.from_optax({"max_consecutive_errors": max_consecutive_errors}).result
+    assert config == LossScaleConfig(mode="none", skip_nonfinite=True, max_consecutive_skips=max_consecutive_errors)
+    return abj.optimizer(inner, config)
 
 
 def field(state, name):

@@ -55,10 +55,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Every setting of ``[loss_scale]`` is honoured (growth and backoff factors, interval,
     hysteresis, ``consecutive_hysteresis``, min/max, ``on_min_scale``, static and none modes,
-    ``skip_nonfinite``), in backend-agnostic ``keras.ops``, for ``fit`` on every backend
+    ``skip_nonfinite``, ``first_growth_interval``, ``max_consecutive_skips``), in backend-agnostic
+    ``keras.ops``, for ``fit`` on every backend
     (``scale_loss`` / ``apply`` / ``stateless_apply``) and for custom loops. A skipped step
-    leaves the weights and the inner optimizer's variables untouched. The state (all five
-    reference fields, plus the count of overflows at ``min_scale``) is optimizer variables,
+    leaves the weights and the inner optimizer's variables untouched. The state (every reference
+    field, plus the count of overflows at ``min_scale``) is optimizer variables,
     so ``model.save`` / checkpoints carry it. Build one with :func:`optimizer`.
 
     ``on_min_scale = "warn" | "error"`` needs the host to look at the state after a step:
