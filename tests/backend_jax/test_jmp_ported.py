@@ -58,6 +58,9 @@ def not_applicable(request):
         pytest.skip(f"not applicable: {NOT_APPLICABLE[name]}")
 
 
+_STEPS: dict = {}
+
+
 class AmpLossScale:
     """ampbridge's JAX loss scaling for one config, read as a jmp loss-scale object."""
 
@@ -72,7 +75,9 @@ class AmpLossScale:
         return abj.unscale(tree, self.state)
 
     def adjust(self, grads_finite):
-        return AmpLossScale(self.config, abj.next_loss_scale(self.config, self.state, ~grads_finite))
+        if self.config not in _STEPS:  # one compiled step per config (the settings are static)
+            _STEPS[self.config] = jax.jit(lambda state, found_inf: abj.next_loss_scale(self.config, state, found_inf))
+        return AmpLossScale(self.config, _STEPS[self.config](self.state, ~grads_finite))
 
     @property
     def loss_scale(self):

@@ -195,7 +195,7 @@ def test_ConditionallyMaskTest(name):
 
 # --- ampbridge's own checks: the swap is not vacuous ----------------------------------------------
 
-EXAMPLES = 500 if os.environ.get("AMPBRIDGE_FUZZ") else 60
+EXAMPLES = 500 if os.environ.get("AMPBRIDGE_FUZZ") else 30
 
 
 _STEPS: dict = {}
