@@ -204,6 +204,14 @@ LOSS_SCALE_FIELDS: tuple[FieldSpec, ...] = (
               "what an overflow at min_scale does", {"enum": ["clamp", "warn", "error"]}),
     FieldSpec("skip_nonfinite", check_bool, True,
               "skip the optimizer step when any gradient is inf/nan", {"type": "boolean"}),
+    FieldSpec("first_growth_interval", _integer(low=1, what=f"an integer from 1 to {INT32_MAX} (int32 counters)"),
+              None, "finite steps before the first growth, at the start and after each non-finite step "
+              "(absent: growth_interval)", {"type": "integer", "minimum": 1, "maximum": INT32_MAX}, optional=True),
+    FieldSpec("max_consecutive_skips", _integer(low=0, what=f"an integer from 0 to {INT32_MAX}"),
+              None,
+              "after this many non-finite steps skipped in a row, non-finite steps are applied until a "
+              "finite one (absent: always skip)", {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
+              optional=True),
 )
 
 RULE_FIELDS: tuple[FieldSpec, ...] = (
@@ -360,6 +368,10 @@ def check_loss_scale_consistency(values: Mapping[str, Any], where: Callable[[str
     if lo is not None and hi is not None and lo > hi:
         out.add(where("min_scale"), "min_scale is greater than max_scale", value=lo,
                 accepted=f"a value <= max_scale ({hi})")
+    if values.get("max_consecutive_skips") is not None and values.get("skip_nonfinite") is False:
+        out.add(where("max_consecutive_skips"), "max_consecutive_skips limits skipping, and "
+                "skip_nonfinite = false skips nothing", value=values["max_consecutive_skips"],
+                accepted="no max_consecutive_skips, or skip_nonfinite = true")
     if values.get("mode") in ("auto", "dynamic") and init is not None:
         if lo is not None and init < lo:
             out.add(where("initial_scale"), "initial_scale is below min_scale", value=init,

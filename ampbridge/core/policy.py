@@ -80,6 +80,8 @@ class LossScaleConfig:
     max_scale: float | None = None
     on_min_scale: str = "clamp"
     skip_nonfinite: bool = True
+    first_growth_interval: int | None = None
+    max_consecutive_skips: int | None = None
 
     def __post_init__(self) -> None:
         out = Collector()

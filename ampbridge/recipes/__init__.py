@@ -19,6 +19,7 @@ jmp             ``from_jmp("p=f32,c=bf16,o=f32")``            ``to_jmp(policy)``
 grad-scaler     ``from_grad_scaler(state_dict_or_kwargs)``    ``to_grad_scaler(policy)`` -> dict
 flax            ``from_flax(dynamic_scale_kwargs)``           ``to_flax(policy)`` -> dict | None
 fsdp            (write only)                                 ``to_fsdp(policy, plan=None)`` -> dict
+optax           ``from_optax(apply_if_finite_kwargs)``        ``to_optax(policy)`` -> dict | None
 ==============  ===========================================  =====================================
 
 ``load(path)`` / ``loads(text)`` read a file or text and detect its format; ``ampbridge convert`` goes
@@ -29,7 +30,7 @@ here are the converters for those tools' settings, not the tools).
 
 Layout: ``convert`` holds what every converter shares (Loss, Conversion, the reading and writing
 helpers, loss_scale_view, differences); one module per tool (``deepspeed``, ``apex``,
-``accelerate``, ``lightning``, ``keras``, ``jmp``, ``grad_scaler``, ``flax``, ``fsdp``);
+``accelerate``, ``lightning``, ``keras``, ``jmp``, ``grad_scaler``, ``flax``, ``optax``, ``fsdp``);
 ``formats`` the format-generic entry points (detect, read, write, loads, load); ``compare``
 disagreements.
 
@@ -76,6 +77,7 @@ from .grad_scaler import from_grad_scaler, to_grad_scaler
 from .jmp import from_jmp, to_jmp
 from .keras import from_keras, from_keras_loss_scale_optimizer, to_keras
 from .lightning import from_lightning, to_lightning
+from .optax import from_optax, to_optax
 
 __all__ = [
     "Loss",
@@ -98,6 +100,8 @@ __all__ = [
     "to_grad_scaler",
     "from_flax",
     "to_flax",
+    "from_optax",
+    "to_optax",
     "to_fsdp",
     "detect",
     "load",

@@ -257,6 +257,8 @@ def loss_scale_view(cfg: LossScaleConfig, compute_dtype: str) -> dict[str, Any]:
     if mode == "static" and f32(r.initial_scale) == 1.0:
         mode = "none"
     view: dict[str, Any] = {"mode": mode, "skip_nonfinite": r.skip_nonfinite}
+    if r.skip_nonfinite and r.max_consecutive_skips is not None:
+        view["max_consecutive_skips"] = r.max_consecutive_skips
     if mode == "static":
         view["initial_scale"] = f32(r.initial_scale)
     if mode == "dynamic":
@@ -269,6 +271,8 @@ def loss_scale_view(cfg: LossScaleConfig, compute_dtype: str) -> dict[str, Any]:
             view["consecutive_hysteresis"] = r.consecutive_hysteresis
         if r.min_scale is not None:
             view["on_min_scale"] = r.on_min_scale
+        if r.first_growth_interval not in (None, r.growth_interval):
+            view["first_growth_interval"] = r.first_growth_interval
     return view
 
 
@@ -318,8 +322,19 @@ class _Writer(_Findings):
     def __init__(self, fmt: str, policy: Policy):
         super().__init__()
         self.fmt, self.policy = fmt, policy
+        self.realised: set[str] = set()  # loss-scale keys a writer wrote exactly (see done)
 
     def done(self, result: Any) -> Conversion:
+        # the two settings few tools have: a loss unless the writer realised or already named them
+        p = self.policy
+        view = loss_scale_view(p.loss_scale, p.compute_dtype if p.compute_dtype != "auto" else "float32")
+        named = {loss.setting for loss in self.losses}
+        for key, what in (("first_growth_interval", "waits a different number of finite steps before the first "
+                           "growth (at the start and after each overflow) than between growths"),
+                          ("max_consecutive_skips", "applies a non-finite step after that many skipped in a row")):
+            if key in view and key not in self.realised and not named & {f"loss_scale.{key}", "loss_scale"}:
+                self.loss(f"loss_scale.{key}", view[key], f"{self.fmt} has no such setting: ampbridge {what}; "
+                          f"{self.fmt} does not")
         return Conversion(result, tuple(self.losses), tuple(self.notes), "ampbridge", self.fmt)
 
     # the settings most targets cannot hold at all

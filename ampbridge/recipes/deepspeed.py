@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,10 @@ from .convert import (
 DEEPSPEED_RELEASES = ("modulo", "stable_interval")
 #: the DeepSpeed release read when none is given
 DEEPSPEED_VERSION = _rel.CURRENT
-_GROWTH_NOTE = ("DeepSpeed 0.17.1 and later (PR 6976, commit e440506) test growth as stable_interval = cur_iter - "
-                "last_overflow_iter - 1 > 0 and stable_interval % window == 0, so the first growth after an overflow "
-                "(and at the start) waits window + 1 finite steps, later ones window; ampbridge grows after every "
-                "window finite steps, as DeepSpeed 0.17.0 and earlier did. The two trajectories part at the first "
-                "step where ampbridge grows the scale")
+_GROWTH_NOTE = ("DeepSpeed 0.17.1 and later (PR 6976, commit e440506; and FP16_Optimizer without ZeRO in every "
+                "release read) test growth as stable_interval = cur_iter - last_overflow_iter - 1 > 0 and "
+                "stable_interval % window == 0, so the first growth after an overflow (and at the start) waits "
+                "window + 1 finite steps, later ones window: loss_scale.first_growth_interval = window + 1, exactly")
 _FP16_OPT_NOTE = ("without ZeRO, DeepSpeed's fp16 loss scale lives in FP16_Optimizer / FP16_UnfusedOptimizer "
                   "(_update_scale): no hysteresis (fp16.hysteresis is ignored), the stable_interval growth test and "
                   "a clamp at min_loss_scale instead of an error, in every checked release (0.17.0-0.19.8)")
@@ -79,6 +79,87 @@ _DS_OTHER_KNOWN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradie
                    "timers", "weight_quantization", "tensor_parallel", "disable_allgather")
 _AUTO_FILLED = ("the Hugging Face Trainer (and Accelerate) fill in only fp16.enabled, bf16.enabled, amp.enabled and "
                 "amp.opt_level")
+
+
+_PYDANTIC_TRUE = ("1", "on", "t", "true", "y", "yes")
+_PYDANTIC_FALSE = ("0", "off", "f", "false", "n", "no")
+
+
+def _ds_coerce(key: str, v: Any, fractional_floor: bool = False) -> Any:
+    """``fp16.<key>`` as DeepSpeed's own config model (``DeepSpeedFP16Config``, precision_config.py of
+    0.19.8, pydantic in lax mode) reads it; raises ValueError with what it accepts otherwise."""
+    if key == "loss_scale":
+        if isinstance(v, bool):
+            raise ValueError("a number >= 0 (0: dynamic), not a boolean")
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise ValueError("a number >= 0 (0: dynamic)") from None
+        if not math.isfinite(x) or x < 0:
+            raise ValueError("a finite number >= 0 (0: dynamic)")
+        return x
+    if key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        if isinstance(v, bool) and key in ("loss_scale_window", "min_loss_scale"):
+            raise ValueError("an integer, not a boolean")
+        if isinstance(v, str):
+            v = v.strip()
+            if not re.fullmatch(r"[+-]?\d+", v):
+                raise ValueError("an integer")
+            return int(v)
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if fractional_floor and key == "min_loss_scale" and isinstance(v, float) and math.isfinite(v):
+            return v  # 0.19.8 declares it an int; older releases took a fractional floor (ampbridge's writer notes it)
+        if not isinstance(v, int):
+            raise ValueError("an integer")
+        return int(v)
+    # the booleans: enabled, auto_cast, consecutive_hysteresis, fp16_master_weights_and_grads
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _PYDANTIC_TRUE + _PYDANTIC_FALSE:
+        return v.strip().lower() in _PYDANTIC_TRUE
+    raise ValueError("a boolean (true, false, 0, 1, 'yes', 'no', 'on', 'off')")
+
+
+def _ds_fp16_check(r: _Reader, fp16: Mapping[str, Any], version: str) -> dict[str, Any]:
+    """The fp16 section validated as DeepSpeed validates it, whether or not fp16 is enabled (a bad
+    ``loss_scale`` stops DeepSpeed even then), and returned with DeepSpeed's coerced values."""
+    out: dict[str, Any] = dict(fp16)
+    for key in _DS_FP16_KEYS:
+        if key not in fp16 or fp16[key] == "auto":  # 'auto': _no_auto and _resolve_enabled say
+            continue
+        try:
+            out[key] = _ds_coerce(key, fp16[key], _rel.parse(version) < _rel.parse("0.19.8"))
+        except ValueError as e:
+            r.problem(("fp16", key), f"DeepSpeed's config model rejects it: must be {e}", value=fp16[key],
+                      accepted=str(e))
+            out.pop(key)
+    enabled = out.get("enabled", False)
+    if enabled is True and out.get("loss_scale", 0.0) == 0:  # DeepSpeed's dynamic-scaling checks
+        for key in ("loss_scale_window", "min_loss_scale"):
+            if key in out and out[key] <= 0:
+                r.problem(("fp16", key), "must be > 0 when dynamic loss scaling is enabled (loss_scale = 0)",
+                          value=fp16[key], accepted="an integer > 0")
+                out.pop(key)
+    return out
+
+
+def read_fp16_section(fp16: Mapping[str, Any], *, version: str | None = None) -> dict[str, Any]:
+    """DeepSpeed's ``fp16`` section as DeepSpeed's config model reads it: validated (PolicyError, one
+    line per problem) and coerced (``"128"`` -> 128.0), the keys given only; what ``from_deepspeed``
+    reads, enabled or not.
+
+    Example:
+        >>> read_fp16_section({"loss_scale": "128", "hysteresis": 2.0})
+        {'loss_scale': 128.0, 'hysteresis': 2}
+    """
+    r = _Reader("deepspeed")
+    r.check_keys(fp16, _DS_FP16_KEYS, ("fp16",), "DeepSpeed's fp16 section")
+    out = _ds_fp16_check(r, fp16, _rel.resolve(version, None))
+    r.raise_if_any()
+    return out
 
 
 def _no_auto(r: _Reader, section: Mapping[str, Any], path: tuple, allowed: Sequence[str]) -> None:
@@ -159,6 +240,7 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
     amp = r.section(config, "amp") or {}
     zero = r.section(config, "zero_optimization") or {}
     r.check_keys(fp16, _DS_FP16_KEYS, ("fp16",), "DeepSpeed's fp16 section")
+    fp16 = _ds_fp16_check(r, fp16, version)
     r.check_keys(bf16, _DS_BF16_KEYS, bf16_path, "DeepSpeed's bf16 section")
     r.check_keys(autocast, _DS_AUTOCAST_KEYS, ("torch_autocast",), "DeepSpeed's torch_autocast section")
     r.check_keys(amp, _APEX_KEYS, ("amp",), "DeepSpeed's amp section (apex amp.initialize arguments)")
@@ -311,17 +393,17 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, version: str) -> t
                       "loss_scale.consecutive_hysteresis": "fp16.consecutive_hysteresis",
                       "loss_scale.min_scale": "fp16.min_loss_scale"})
     on_min = "error"
+    first: dict[str, int] = {}
     if stage == 0:
         on_min = "clamp"
         r.note(_FP16_OPT_NOTE)
         r.origins["loss_scale.hysteresis"] = "zero_optimization.stage (0: FP16_Optimizer has no hysteresis)"
-        r.loss("fp16.loss_scale_window", window, f"FP16_Optimizer (no ZeRO) grows one step later after each overflow "
-               f"and at the start: the scales part at step {window} of a clean run")
-        r.note(_GROWTH_NOTE)
-    elif _rel.grows_late(version):
-        r.loss("fp16.loss_scale_window", window, f"DeepSpeed {version}'s DynamicLossScaler grows one step later after "
-               f"each overflow and at the start: the scales part at step {window} of a clean run (exact up to "
-               "DeepSpeed 0.17.0: --deepspeed-version)")
+    if stage == 0 or _rel.grows_late(version):
+        # the stable_interval test: window + 1 finite steps before the first growth, then every window
+        first["first_growth_interval"] = window + 1
+        r.origins["loss_scale.first_growth_interval"] = (
+            "fp16.loss_scale_window + 1 (" + ("FP16_Optimizer, no ZeRO" if stage == 0 else
+                                               f"DeepSpeed {version}'s DynamicLossScaler") + ": stable_interval test)")
         r.note(_GROWTH_NOTE)
     r.note("DeepSpeed keeps its loss scale in a Python float, which may grow past float32's range; ampbridge's "
            "scale stops growing at float32's largest power of two. The two differ only once the scale passes "
@@ -329,7 +411,7 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, version: str) -> t
     return fields, {"mode": "dynamic", "initial_scale": math.ldexp(1.0, power), "growth_factor": 2.0,
                     "backoff_factor": 0.5, "growth_interval": window, "hysteresis": hysteresis,
                     "consecutive_hysteresis": consecutive, "min_scale": min_scale, "on_min_scale": on_min,
-                    "skip_nonfinite": True}
+                    "skip_nonfinite": True, **first}
 
 
 def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple, stage: int, version: str,
@@ -404,7 +486,8 @@ def to_deepspeed(policy: Policy, *, via: str = "native", version: str | None = N
 
     ``via``: ``"native"`` (DeepSpeed's own ``fp16``/``bf16`` modes, the default),
     ``"torch_autocast"`` (``torch.autocast`` over float32 parameters) or ``"amp"`` (apex).
-    ``version`` / ``release`` as in :func:`from_deepspeed` (from 0.17.1 the growth timing is a loss).
+    ``version`` / ``release`` as in :func:`from_deepspeed` (from 0.17.1 the growth timing is
+    ``first_growth_interval = growth_interval + 1``; any other is a loss).
     ``stage``: the ZeRO stage the config will run with (None: any), which decides whether DeepSpeed
     skips non-finite bf16 and float32 steps; a ``skip_nonfinite`` some stage cannot honour is a loss.
 
@@ -480,7 +563,7 @@ def _ds_native(w: _Writer, p: Policy, version: str, stage: int | None = None) ->
         default_reduce = "float32"
     elif compute == "float16":
         section: dict[str, Any] = {"enabled": True}
-        _ds_fp16_scale(w, ls, view, section, version)
+        _ds_fp16_scale(w, ls, view, section, version, stage)
         if stage == 0 and view["mode"] == "dynamic" and ls.hysteresis != 1:
             w.loss("loss_scale.hysteresis", ls.hysteresis, "FP16_Optimizer (no ZeRO) has no hysteresis")
         if stage == 0 and view["mode"] == "dynamic" and ls.min_scale is not None and ls.on_min_scale != "clamp":
@@ -519,7 +602,8 @@ def _ds_native(w: _Writer, p: Policy, version: str, stage: int | None = None) ->
     return out
 
 
-def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], section: dict, version: str) -> None:
+def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], section: dict, version: str,
+                   stage: int | None = None) -> None:
     if view["mode"] in ("none", "static"):
         section["loss_scale"] = _int_if_integral(f32(ls.initial_scale) if view["mode"] == "static" else 1.0)
         if view["mode"] == "none":
@@ -551,7 +635,12 @@ def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], sec
         if ls.on_min_scale != "error":
             w.loss("loss_scale.on_min_scale", ls.on_min_scale, "DeepSpeed's ZeRO loss scaler raises when an "
                    "overflow hits min_loss_scale (on_min_scale='error'); without ZeRO it clamps")
-    if not float(section.get("min_loss_scale", 1)).is_integer():
+    floor = section.get("min_loss_scale", 1)
+    if not float(floor).is_integer() and _rel.parse(version) >= _rel.parse("0.19.8"):
+        section["min_loss_scale"] = max(1, math.ceil(floor))
+        w.loss("loss_scale.min_scale", ls.min_scale, f"DeepSpeed {version}'s config model takes an integer "
+               f"min_loss_scale (a fraction is refused): written as {section['min_loss_scale']}")
+    elif not float(floor).is_integer():
         w.note("DeepSpeed's config model (deepspeedai/DeepSpeed precision_config.py) declares min_loss_scale an "
                "int; a fractional floor needs an older release")
     for key, expected, text in (("growth_factor", 2.0, "x2"), ("backoff_factor", 0.5, "x0.5")):
@@ -561,12 +650,27 @@ def _ds_fp16_scale(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], sec
         w.loss("loss_scale.max_scale", ls.max_scale, "DeepSpeed's loss scale has no ceiling")
     if not ls.skip_nonfinite:
         w.loss("loss_scale.skip_nonfinite", False, "DeepSpeed always skips a step with non-finite gradients")
-    if _rel.grows_late(version):
-        w.loss("loss_scale.growth_interval", ls.growth_interval, f"DeepSpeed {version} grows one step later after "
-               f"each overflow and at the start: the scales part at step {ls.growth_interval} of a clean run")
-        w.note(_GROWTH_NOTE)
+    _ds_growth_timing(w, ls, view, version, stage)
     w.note("the fp16 loss-scale settings are those of ZeRO's DynamicLossScaler (zero_optimization.stage >= 1); "
            + _FP16_OPT_NOTE)
+
+
+def _ds_growth_timing(w: _Writer, ls: LossScaleConfig, view: Mapping[str, Any], version: str,
+                      stage: int | None) -> None:
+    """DeepSpeed's first growth comes after window + 1 finite steps (0.17.1+, and FP16_Optimizer
+    always), else after window: exact when first_growth_interval says the same, a loss otherwise."""
+    window = ls.growth_interval
+    late = stage == 0 or _rel.grows_late(version)
+    want = window + 1 if late else window
+    have = view.get("first_growth_interval", window)
+    w.realised.add("first_growth_interval")
+    if have != want:
+        who = "FP16_Optimizer (no ZeRO)" if stage == 0 else f"DeepSpeed {version}'s DynamicLossScaler"
+        w.loss("loss_scale.first_growth_interval", have, f"{who} grows first after loss_scale_window"
+               f"{' + 1' if late else ''} = {want} finite steps (at the start and after each overflow); the scales "
+               f"part at the first growth")
+    if late:
+        w.note(_GROWTH_NOTE)
 
 
 def _ds_autocast_out(w: _Writer, p: Policy) -> dict[str, Any]:

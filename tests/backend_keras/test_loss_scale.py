@@ -47,9 +47,9 @@ def injected(found_inf, batch):
 def state_of(opt, values):
     """The LossScaleState held in a list of optimizer variable values (stateless use)."""
     index = {id(v): i for i, v in enumerate(opt.variables)}
-    good, scale, hyst, steps, skipped, _ = (float(np.asarray(keras.ops.convert_to_numpy(values[index[id(v)]])))
-                                            for v in opt._state_variables)
-    return LossScaleState(scale, int(good), int(hyst), int(steps), int(skipped))
+    good, scale, hyst, steps, skipped, _, streak = (
+        float(np.asarray(keras.ops.convert_to_numpy(values[index[id(v)]]))) for v in opt._state_variables)
+    return LossScaleState(scale, int(good), int(hyst), int(steps), int(skipped), int(streak))
 
 
 def test_fit_parity_with_native_keras(kx):
@@ -117,6 +117,9 @@ CONFIGS = {
     "static": LossScaleConfig(mode="static", initial_scale=8.0),
     "none": LossScaleConfig(mode="none"),
     "no_skip": ODD.replace(skip_nonfinite=False),
+    # DeepSpeed >= 0.17.1's growth timing; optax's apply_if_finite(inner, 2)
+    "first_growth_later": ODD.replace(first_growth_interval=3),
+    "max_skips_2": ODD.replace(max_consecutive_skips=2),
 }
 
 
@@ -126,13 +129,18 @@ def test_apply_trajectory_equals_reference(kx, name):
     opt = ak.optimizer(keras.optimizers.SGD(0.5), with_loss_scale(cfg))
     var = keras.Variable(np.ones(3, "float32"))
     states, finite_values = [], []
+    reference = ampbridge.LossScaler(cfg)
     for found_inf in ODD_FOUND_INF:
         grad = np.full(3, np.inf if found_inf else 0.25, "float32")
         before = kx.numpy(var).copy()
         opt.apply([keras.ops.convert_to_tensor(grad)], [var])
         states.append(opt.state)
-        if found_inf and cfg.skip_nonfinite:
+        applied = reference.update(found_inf)
+        if not applied:
             np.testing.assert_array_equal(kx.numpy(var), before)
+        elif found_inf and cfg.max_consecutive_skips is not None:  # applied anyway: the inf update landed
+            assert not np.isfinite(kx.numpy(var)).all()
+            var.assign(np.ones(3, "float32"))
         finite_values.append(kx.numpy(var).copy())
     assert states == trajectory(cfg, ODD_FOUND_INF)
     if not cfg.skip_nonfinite:

@@ -115,7 +115,7 @@ def test_resume_in_a_fresh_process_is_identical(tmp_path):
     assert full["amp"] == resumed["amp"] and full["scaler"] == resumed["scaler"]
     state = full["amp"]["loss_scale"]
     assert state["skipped"] >= 2 and state["steps"] == 24  # the scaler's state really moved
-    assert set(state) == {"scale", "good_steps", "hysteresis_left", "steps", "skipped"}
+    assert set(state) == {"scale", "good_steps", "hysteresis_left", "steps", "skipped", "nonfinite_streak"}
 
 
 def _docs_recipe():

@@ -27,12 +27,12 @@ OVERFLOWS = ([False] * 5 + [True] + [False] * 3 + [True, True] + [False] * 9 + [
              + [True, False, True] + [False] * 10 + [True, False] * 3 + [False] * 6)
 
 
-def train(policy, overflows):
+def train(policy, overflows, growth_test="modulo"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1))
     amp = abt.apply(model, policy)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ds = DeepSpeedDynamicLossScaler(2.0 ** 8, 4, 1.0, 2, False)
+    ds = DeepSpeedDynamicLossScaler(2.0 ** 8, 4, 1.0, 2, False, growth_test=growth_test)
     for step, overflow in enumerate(overflows):
         state = amp.scaler.loss_scale_state()
         assert (state.scale, state.hysteresis_left) == (ds.cur_scale, ds.cur_hysteresis), step
@@ -71,7 +71,12 @@ def test_the_raise_at_the_minimum_comes_at_the_same_step():
     assert train(policy, [True] * 40) == 9
 
 
-def test_the_later_release_is_reported_as_a_loss():
-    conversion = recipes.from_deepspeed(RECIPE)  # 0.19.8: stable_interval (e440506, PR 6976, from 0.17.1)
-    assert any(loss.setting == "fp16.loss_scale_window" and "one step later" in loss.reason
-               for loss in conversion.losses)
+def test_the_later_release_is_followed_exactly_through_the_torch_backend():
+    """0.19.8 (stable_interval, e440506, PR 6976, from 0.17.1): first_growth_interval = window + 1 (issue 38)."""
+    conversion = recipes.from_deepspeed(RECIPE)
+    assert conversion.exact and conversion.result.loss_scale.first_growth_interval == 5
+    assert train(conversion.result, OVERFLOWS, growth_test="stable_interval") is None
+    # the two releases' trajectories differ on this sequence: the setting is doing something
+    late, early = (ampbridge.trajectory(recipes.from_deepspeed(RECIPE, release=r).result.resolved_loss_scale,
+                                        OVERFLOWS) for r in ("stable_interval", "modulo"))
+    assert [s.scale for s in late] != [s.scale for s in early]

@@ -676,7 +676,7 @@ def test_designed_state_dict_extra_keys_and_disabled():
     """DESIGNED: ampbridge's state dict carries the reference counters, also when disabled."""
     s = scaler_for(init_scale=4.0)
     assert set(s.state_dict()) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",
-                                   "hysteresis_left", "steps", "skipped", "mode"}
+                                   "hysteresis_left", "steps", "skipped", "nonfinite_streak", "mode"}
     disabled = scaler_for(enabled=False)
     assert not disabled.is_enabled() and disabled.state_dict()["scale"] == 1.0  # torch: {}
 

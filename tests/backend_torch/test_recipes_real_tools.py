@@ -11,11 +11,14 @@ lookup is replaced by rank 0, the scale arithmetic is DeepSpeed's.
 
 from __future__ import annotations
 
+import os
 import random
 import types
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ampbridge import LossScaleError, PolicyError, initial_state, next_state, recipes
 from ampbridge._testing import require
@@ -98,38 +101,156 @@ ZERO_CONFIGS = [
 ]
 
 
+def run_both(config, seed, rate, real=None, optimizer=FP16_Optimizer):
+    """The real scaler and ampbridge's reference for the converted config, step by step over STEPS
+    steps whose overflows come as training makes them: a step overflows when the real scale times a
+    gradient draw passes float16's range, or at random (rate). Returns (ours, theirs, sequence):
+    (scale, hysteresis left) per step under ZeRO, the scale alone for FP16_Optimizer (``real`` a
+    LossScaleConfig there); "raised" where DeepSpeed exits at the minimum."""
+    ds_cfg = DeepSpeedConfig(config).float16_config  # the real config loader: defaults, validation
+    zero = real is None
+    if zero:
+        real = ds_loss_scaler.CreateLossScaler(torch.half, ds_cfg.loss_scale, True, ds_cfg.dynamic_loss_scale_args())
+        assert type(real) is ds_loss_scaler.DynamicLossScaler
+        read, update = (lambda: (float(real.cur_scale), int(real.cur_hysteresis))), real.update_scale
+    else:
+        fake = types.SimpleNamespace(loss_scale_config=real, verbose=False)
+        read, update = (lambda: float(real.cur_scale)), (lambda found: optimizer._update_scale(fake, found))
+    conversion = recipes.from_deepspeed(config)
+    assert conversion.exact, conversion.losses
+    cfg = conversion.result.resolved_loss_scale
+    rng, state, ours, theirs, seq = random.Random(seed), initial_state(cfg), [], [], []
+    for _ in range(STEPS):
+        scale = read()[0] if zero else read()
+        found_inf = rng.random() < rate or scale * rng.lognormvariate(-9.0, 2.5) > 65504.0
+        seq.append(found_inf)
+        try:
+            update(found_inf)
+            theirs.append(read())
+        except Exception:
+            theirs.append("raised")
+        try:
+            state = next_state(cfg, state, found_inf)
+            ours.append((state.scale, state.hysteresis_left) if zero else state.scale)
+        except LossScaleError:
+            ours.append("raised")
+        if "raised" in (ours[-1], theirs[-1]):
+            break
+    return ours, theirs, seq
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("fp16", ZERO_CONFIGS)
-def test_zero_dynamic_loss_scaler_parts_where_the_conversion_says(fp16, seed):
-    """ZeRO 1-3: the real DynamicLossScaler equals ampbridge's trajectory up to the first step where
-    ampbridge grows the scale; the conversion reports exactly that difference (step window of a clean run)."""
+def test_zero_dynamic_loss_scaler_equals_the_conversion(fp16, seed):
+    """ZeRO 1-3: the real DynamicLossScaler's scale and hysteresis equal ampbridge's for the converted
+    config at every step (first_growth_interval = window + 1, issue 38); read for 0.17.0 (the last release
+    whose growth test is every window) the two part exactly at the first growth."""
     config = {"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 0, **fp16},
               "zero_optimization": {"stage": 2}}
-    ds_cfg = DeepSpeedConfig(config)  # the real config loader: defaults, validation
-    real = ds_loss_scaler.CreateLossScaler(torch.half, ds_cfg.float16_config.loss_scale, True,
-                                           ds_cfg.float16_config.dynamic_loss_scale_args())
-    conversion = recipes.from_deepspeed(config)
-    assert [loss.setting for loss in conversion.losses] == ["fp16.loss_scale_window"]
-    window = fp16["loss_scale_window"]
-    assert f"part at step {window} of a clean run" in conversion.losses[0].reason
-    seq = overflows(seed, rate=0.005 if window >= 1000 else 0.02 + 0.01 * seed)
-    theirs = []
+    assert recipes.from_deepspeed(config).result.loss_scale.first_growth_interval == fp16["loss_scale_window"] + 1
+    ours, theirs, seq = run_both(config, seed, rate=0.001 * seed)
+    assert ours == theirs
+    assert len({pair[0] for pair in theirs if pair != "raised"}) > 2  # backed off and grown
+    old, first_growth = reference(recipes.from_deepspeed(config, version="0.17.0").result, seq)
+    assert first_difference(old, [t if t == "raised" else t[0] for t in theirs]) == first_growth
+
+
+#: 17 overflow sequences x 10,000 steps: (seed, random-overflow rate, fp16 section)
+SEQUENCES = [(100 + i, (0.0, 0.0005, 0.001, 0.002, 0.004)[i % 5], ZERO_CONFIGS[i % len(ZERO_CONFIGS)])
+             for i in range(17)]
+
+
+def _calls_create_loss_scaler(cls):
+    import inspect
+
+    return "CreateLossScaler(" in inspect.getsource(cls.__init__)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_follows_the_real_scaler_over_17_sequences(stage):
+    """DeepSpeed 0.19.8, per ZeRO stage, the scaler that stage really uses: 1 and 2 build theirs in
+    DeepSpeedZeroOptimizer.__init__ (stage_1_and_2.py), 3 in DeepSpeedZeroOptimizer_Stage3.__init__
+    (stage3.py), both with CreateLossScaler from the engine's dynamic_loss_scale_args; 0 (no ZeRO) runs
+    FP16_Optimizer._update_scale (no hysteresis). Driven directly, 17 sequences x 10,000 steps each:
+    the converted config's scale (and, under ZeRO, hysteresis) equals the real one's at every step."""
+    if stage:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        assert _calls_create_loss_scaler(DeepSpeedZeroOptimizer_Stage3 if stage == 3 else DeepSpeedZeroOptimizer)
+    steps, overflowed, grown = 0, 0, 0
+    for seed, rate, fp16 in SEQUENCES:
+        config = {"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 0, **fp16},
+                  "zero_optimization": {"stage": stage}}
+        real = None
+        if not stage:
+            ds_cfg = DeepSpeedConfig(config).float16_config
+            real = ds_loss_scaler.LossScaleConfig(torch.float16, True, ds_cfg.loss_scale,
+                                                  ds_cfg.dynamic_loss_scale_args(),
+                                                  initial_dynamic_scale=ds_cfg.initial_dynamic_scale())
+        ours, theirs, seq = run_both(config, seed, rate, real)
+        assert ours == theirs, (seed, next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b))
+        steps, overflowed = steps + len(theirs), overflowed + sum(seq)
+        scales = [t[0] if stage else t for t in theirs if t != "raised"]
+        grown += sum(b > a for a, b in zip(scales, scales[1:]))
+    # one sequence (window 1000, a random overflow every ~250 steps) decays to the minimum, where ZeRO
+    # exits and ampbridge raises at the same step (FP16_Optimizer clamps instead and runs on)
+    assert steps >= (17 if stage == 0 else 16) * STEPS and overflowed > 1000 and grown > 1000
+
+
+def drive_zero(real, seq):
+    """(scale, hysteresis left) of the real ZeRO scaler after each step; "raised" where it exits."""
+    out = []
     for found_inf in seq:
         try:
             real.update_scale(found_inf)
         except Exception:
-            theirs.append("raised")
+            out.append("raised")
             break
-        theirs.append(float(real.cur_scale))
-    ours, first_growth = reference(conversion.result, seq)
-    assert first_growth is not None, "the sequence must grow the scale"
-    assert first_difference(ours, theirs) == first_growth
-    assert ours[:first_growth] == theirs[:first_growth]  # hysteresis, backoff, the minimum: the same
-    # read for 0.17.0 (the last release with ampbridge's growth test) the conversion is exact
-    assert recipes.from_deepspeed(config, version="0.17.0").exact
+        out.append((float(real.cur_scale), int(real.cur_hysteresis)))
+    return out
 
 
-def test_clean_run_parts_at_the_named_step():
+def reference_pairs(policy, seq, hysteresis=True):
+    cfg = policy.resolved_loss_scale
+    state, out = initial_state(cfg), []
+    for found_inf in seq:
+        try:
+            state = next_state(cfg, state, found_inf)
+        except LossScaleError:
+            out.append("raised")
+            break
+        out.append((state.scale, state.hysteresis_left) if hysteresis else state.scale)
+    return out
+
+
+@settings(max_examples=300 if os.environ.get("AMPBRIDGE_FUZZ") else 60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 3), st.booleans(), st.integers(2, 12), st.integers(1, 4),
+       st.sampled_from([0, 1, 2, 3]), st.lists(st.booleans(), min_size=1, max_size=300))
+def test_the_real_scaler_matches_any_converted_config(window, hysteresis, consecutive, power, floor, stage, seq):
+    """The property behind first_growth_interval: for random DeepSpeed fp16 settings, ZeRO stage and
+    overflow sequence, the real 0.19.8 scaler of that stage and the converted config agree at every step."""
+    config = {"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": power, "loss_scale_window": window,
+                                              "hysteresis": hysteresis, "consecutive_hysteresis": consecutive,
+                                              "min_loss_scale": floor}, "zero_optimization": {"stage": stage}}
+    ds_cfg = DeepSpeedConfig(config).float16_config
+    conversion = recipes.from_deepspeed(config)
+    assert conversion.exact
+    if stage:
+        real = ds_loss_scaler.CreateLossScaler(torch.half, 0, True, ds_cfg.dynamic_loss_scale_args())
+        theirs = drive_zero(real, seq)
+    else:
+        state = ds_loss_scaler.LossScaleConfig(torch.float16, True, ds_cfg.loss_scale, ds_cfg.dynamic_loss_scale_args(),
+                                               initial_dynamic_scale=ds_cfg.initial_dynamic_scale())
+        fake = types.SimpleNamespace(loss_scale_config=state, verbose=False)
+        theirs = []
+        for found_inf in seq:
+            FP16_Optimizer._update_scale(fake, found_inf)
+            theirs.append(float(state.cur_scale))
+    assert reference_pairs(conversion.result, seq, hysteresis=bool(stage)) == theirs
+
+
+def test_clean_run_grows_where_deepspeed_does():
     config = {"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 25},
               "zero_optimization": {"stage": 3}}
     ds_cfg = DeepSpeedConfig(config)
@@ -138,8 +259,9 @@ def test_clean_run_parts_at_the_named_step():
     for _ in range(60):
         real.update_scale(False)
         theirs.append(float(real.cur_scale))
-    ours, _ = reference(recipes.from_deepspeed(config).result, [False] * 60)
-    assert first_difference(ours, theirs) + 1 == 25  # "step 25 of a clean run", counted from 1
+    ours, first_growth = reference(recipes.from_deepspeed(config).result, [False] * 60)
+    assert ours == theirs and first_growth + 1 == 26  # the 26th clean step: window + 1
+    assert theirs[24:27] == [256.0, 512.0, 512.0] and theirs[50] == 1024.0  # later growths every window
 
 
 def test_zero_raises_at_the_minimum_at_the_same_step():
@@ -160,25 +282,20 @@ def test_zero_raises_at_the_minimum_at_the_same_step():
                                                (FP16_UnfusedOptimizer, ds_loss_scaler.LossScaleProfile.UNFUSED)])
 @pytest.mark.parametrize("seed", [4, 5])
 def test_fp16_without_zero_has_no_hysteresis(optimizer, profile, seed):
-    """No ZeRO: FP16_Optimizer / FP16_UnfusedOptimizer ignore hysteresis (read as 1: the trajectories
-    agree through every backoff) and grow one step late (the loss, at the first growth)."""
+    """No ZeRO: FP16_Optimizer / FP16_UnfusedOptimizer ignore hysteresis (read as 1) and grow first after
+    window + 1 finite steps (first_growth_interval): the trajectories agree at every step."""
     config = {"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 14, "loss_scale_window": 40,
                                               "hysteresis": 2, "min_loss_scale": 1}}
     ds_cfg = DeepSpeedConfig(config).float16_config
     state = ds_loss_scaler.LossScaleConfig(torch.float16, True, ds_cfg.loss_scale, ds_cfg.dynamic_loss_scale_args(),
                                            profile=profile, initial_dynamic_scale=ds_cfg.initial_dynamic_scale())
-    fake = types.SimpleNamespace(loss_scale_config=state, verbose=False)
-    seq = [True, False, True, True] + overflows(seed, rate=0.05)[:-4]  # backoffs first, then growth
-    theirs = []
-    for found_inf in seq:
-        optimizer._update_scale(fake, found_inf)
-        theirs.append(float(state.cur_scale))
     conversion = recipes.from_deepspeed(config)
     assert conversion.result.loss_scale.hysteresis == 1 and conversion.result.loss_scale.on_min_scale == "clamp"
-    assert [loss.setting for loss in conversion.losses] == ["fp16.loss_scale_window"]
-    ours, first_growth = reference(conversion.result, seq)
-    assert first_growth is not None and first_difference(ours, theirs) == first_growth
-    assert min(theirs[:first_growth]) < 2.0 ** 14  # backoffs happened before and agreed
+    assert conversion.exact and conversion.result.loss_scale.first_growth_interval == 41
+    ours, theirs, seq = run_both(config, seed, 0.01, state, optimizer)
+    assert ours == theirs and len(theirs) == STEPS
+    steps = list(zip(theirs, theirs[1:]))
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps)  # backed off and grown
     # the old reading (hysteresis 2) parted at the first overflow
     old = conversion.result.replace(loss_scale=conversion.result.loss_scale.replace(hysteresis=2))
     assert first_difference(reference(old, seq)[0], theirs) == seq.index(True)

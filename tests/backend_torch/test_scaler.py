@@ -33,6 +33,12 @@ CONFIGS = {
     "static": LossScaleConfig(mode="static", initial_scale=1024.0),
     "none": LossScaleConfig(mode="none"),
     "none-no-skip": LossScaleConfig(mode="none", skip_nonfinite=False),
+    # DeepSpeed >= 0.17.1's growth timing (window + 1 before the first growth and after each overflow)
+    "first-growth-later": LossScaleConfig(mode="dynamic", growth_interval=4, first_growth_interval=5, hysteresis=2),
+    "first-growth-sooner": LossScaleConfig(mode="dynamic", growth_interval=6, first_growth_interval=2),
+    # optax's apply_if_finite(inner, N)
+    "max-skips-2": LossScaleConfig(mode="dynamic", growth_interval=3, max_consecutive_skips=2),
+    "max-skips-0-static": LossScaleConfig(mode="static", initial_scale=8.0, max_consecutive_skips=0),
 }
 
 
@@ -41,8 +47,8 @@ def read(scaler):
     if not scaler._enabled:
         return scaler.loss_scale_state()
     v = torch.stack([scaler._scale.double(), scaler._growth_tracker.double(), scaler._hysteresis_left.double(),
-                     scaler._skipped.double()]).tolist()
-    return LossScaleState(v[0], int(v[1]), int(v[2]), scaler._steps, int(v[3]))
+                     scaler._skipped.double(), scaler._streak.double()]).tolist()
+    return LossScaleState(v[0], int(v[1]), int(v[2]), scaler._steps, int(v[3]), int(v[4]))
 
 
 def drive(scaler, opt, param, found_infs, *, native=None, native_opt=None):
@@ -77,7 +83,8 @@ def sequence(n, p_inf, seed, cfg=None):
     return out
 
 
-SHORT = ("growth-1", "no-skip", "warn-at-min", "none-no-skip")  # 2,000 steps: cheaper variations
+SHORT = ("growth-1", "no-skip", "warn-at-min", "none-no-skip", "first-growth-sooner", "max-skips-2",
+         "max-skips-0-static")  # 2,000 steps: cheaper variations
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -259,3 +266,38 @@ def test_float16_parameters_get_float16_gradients_unscaled():
     assert amp.step(model(torch.randn(3, 4)).float().square().mean(), opt)
     assert model[0].weight.dtype == torch.float16 and not torch.equal(before, model[0].weight)
     assert math.isfinite(amp.scaler.get_scale())
+
+
+@pytest.mark.parametrize("limit", [0, 1, 3])
+def test_max_consecutive_skips_applies_the_update_where_optax_would(limit):
+    """After ``limit`` skipped non-finite steps in a row the next non-finite update is applied (the
+    parameter moves), until a finite step; the core's LossScaler decides the same steps."""
+    cfg = LossScaleConfig(mode="dynamic", initial_scale=4.0, growth_interval=100, max_consecutive_skips=limit)
+    found = [True, True, True, True, False, True, True, False, True]
+    reference = ampbridge.LossScaler(cfg)
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=1.0)
+    scaler = abt.GradScaler(cfg, "cpu")
+    scaler.scale(torch.ones(()))
+    for i, bad in enumerate(found):
+        before = param.detach().clone()
+        param.grad = torch.tensor([INF if bad else 1.0, 1.0])
+        scaler.step(opt)
+        scaler.update()
+        applied = reference.update(bad)
+        moved = not torch.equal(param.detach(), before)
+        assert moved == applied == bool(scaler.last_step_result), f"step {i}"
+        param.data.zero_()  # an applied inf update leaves inf behind: start each step from zeros
+    assert scaler.loss_scale_state() == reference.state
+    assert reference.state.skipped == sum(1 for i, _ in enumerate(found) if found[i]) - (
+        {0: 7, 1: 4, 3: 1}[limit])
+
+
+def test_max_consecutive_skips_refuses_a_fused_optimizer_by_name():
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([param], lr=1e-3, fused=True)
+    scaler = abt.GradScaler(LossScaleConfig(mode="dynamic", max_consecutive_skips=2), "cpu")
+    scaler.scale(torch.ones(()))
+    param.grad = torch.ones(2)
+    with pytest.raises(ampbridge.errors.UnsupportedOptionError, match="max_consecutive_skips=2 with a fused"):
+        scaler.step(opt)

@@ -88,12 +88,13 @@ def test_ds_fp16_dynamic_as_deepspeed_documents_it():
                                    loss_scale=DS_FP16)
     assert modulo.exact
     current = recipes.load(HERE / "ds_fp16_dynamic.json")  # default: today's release
-    assert current.result == modulo.result
-    assert settings(current) == ["fp16.loss_scale_window"]
-    assert "one step later" in current.losses[0].reason and "step 1000" in current.losses[0].reason
+    # 0.17.1 and later grow first after window + 1 finite steps: an exact setting (issue 38), not a loss
+    assert current.result == modulo.result.replace(loss_scale=DS_FP16.replace(first_growth_interval=1001))
+    assert current.exact
     assert sum("e440506" in n for n in current.notes) == 1  # the long explanation once, as a note
-    assert recipes.load(HERE / "ds_fp16_dynamic.json", version="0.17.0").exact
-    assert not recipes.load(HERE / "ds_fp16_dynamic.json", version="0.17.1").exact
+    assert recipes.load(HERE / "ds_fp16_dynamic.json", version="0.17.0").result == modulo.result
+    late = recipes.load(HERE / "ds_fp16_dynamic.json", version="0.17.1")
+    assert late.exact and late.result == current.result
 
 
 def test_ds_static_scale():
@@ -141,7 +142,8 @@ def test_ds_stage_0_uses_fp16_optimizer_semantics():
     c = recipes.from_deepspeed({"fp16": {"enabled": True, "hysteresis": 4}}, release="modulo")
     assert c.result.loss_scale.on_min_scale == "clamp"
     assert c.result.loss_scale.hysteresis == 1  # FP16_Optimizer has none, in every release
-    assert settings(c) == ["fp16.loss_scale_window"]  # its growth test is stable_interval in every release
+    # its growth test is stable_interval in every release: window + 1 before the first growth, exactly
+    assert settings(c) == [] and c.result.loss_scale.first_growth_interval == 1001
 
 
 def test_ds_bad_and_unknown_keys_name_the_key(tmp_path):
@@ -173,7 +175,11 @@ def test_ds_export_of_its_own_defaults_is_exact_for_the_modulo_release():
                                    "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,
                                    "min_loss_scale": 1}}
     assert out.exact
-    assert settings(recipes.to_deepspeed(policy)) == ["loss_scale.growth_interval"]
+    # the modulo release's timing written for 0.19.8 (which grows first after window + 1): a loss
+    assert settings(recipes.to_deepspeed(policy)) == ["loss_scale.first_growth_interval"]
+    current = recipes.load(HERE / "ds_fp16_dynamic.json").result
+    assert recipes.to_deepspeed(current).exact and recipes.to_deepspeed(current).result == out.result
+    assert settings(recipes.to_deepspeed(current, release="modulo")) == ["loss_scale.first_growth_interval"]
 
 
 def test_ds_export_names_what_deepspeed_cannot_hold():
@@ -225,7 +231,7 @@ def test_accelerate_deepspeed_reads_the_deepspeed_file_with_auto_filled():
     assert any("ds_zero2_hf_auto.json" in n for n in c.notes)
     plugin_only = recipes.from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": "fp16",
                                            "deepspeed_config": {"zero_stage": 2}})
-    assert plugin_only.result.loss_scale == DS_FP16
+    assert plugin_only.result.loss_scale == DS_FP16.replace(first_growth_interval=1001)  # DeepSpeed 0.19.8
 
 
 def test_accelerate_fp8_and_bad_input():

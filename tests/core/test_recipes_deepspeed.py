@@ -2,8 +2,8 @@
 
 The oracle is DeepSpeed's ``DynamicLossScaler.update_scale`` transcribed
 (``ampbridge._testing.DeepSpeedDynamicLossScaler``) in its two growth tests: the modulo one of
-DeepSpeed 0.17.0 and earlier, which the conversion matches, and the stable_interval one of 0.17.1
-and later (PR 6976, e440506), which it reports as a loss. The installed 0.19.8's own scaler is
+DeepSpeed 0.17.0 and earlier and the stable_interval one of 0.17.1 and later (PR 6976, e440506),
+which the conversion matches with ``first_growth_interval = window + 1``. The installed 0.19.8's own scaler is
 driven in tests/backend_torch/test_recipes_real_tools.py.
 """
 
@@ -101,19 +101,22 @@ def test_minimum_scale_raises_at_the_same_step():
     assert step == 4  # one absorbed, 8 -> 4 -> 2 -> 1, then DeepSpeed exits
 
 
-def test_the_later_release_grows_one_step_later_and_the_conversion_says_so():
+def test_the_later_release_grows_one_step_later_and_the_conversion_follows_it():
+    """0.17.1 and later: first_growth_interval = window + 1, exact (issue 38; before, a loss)."""
     config = json.loads((HERE / "ds_fp16_dynamic.json").read_text())
     conversion = recipes.from_deepspeed(config)  # today's release
-    assert [loss.setting for loss in conversion.losses] == ["fp16.loss_scale_window"]
+    assert conversion.losses == ()
+    cfg = conversion.result.resolved_loss_scale
+    assert (cfg.growth_interval, cfg.first_growth_interval) == (1000, 1001)
     seq = overflow_sequence()
     pairs = paired(config, seq, release="stable_interval")
-    differing = [i for i, (ours, theirs) in enumerate(pairs) if ours != theirs]
-    assert differing, "the two releases must differ on this sequence"
-    # the first difference: ampbridge (and the modulo release) grow on the 1000th clean step; the
-    # later release would on the 1001st, which overflows, so its hysteresis is never refilled either
-    assert differing[0] == 1000
-    assert pairs[1000] == ((131072.0, 2), (65536, 1))
-    assert pairs[1001] == ((131072.0, 1), (32768.0, 1))
+    assert [ours for ours, _ in pairs] == [theirs for _, theirs in pairs]
+    # the later release grows on the 1001st clean step, which overflows here, so its hysteresis
+    # is never refilled either: the modulo release's trajectory differs from step 1000 on
+    modulo = paired(config, seq)
+    assert next(i for i, (a, b) in enumerate(zip(pairs, modulo)) if a[1] != b[1]) == 1000
+    assert pairs[1000][1] == (65536, 1) and pairs[1001][1] == (32768.0, 1)
+    assert modulo[1000][1] == (131072.0, 2)
 
 
 def test_static_scale_recipe_keeps_its_scale_and_skips():

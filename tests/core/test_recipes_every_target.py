@@ -40,6 +40,10 @@ def random_scale(rng: random.Random) -> dict:
             ls["min_scale"] = rng.choice([1.0, 2.0**-10, 4.0])
         if rng.random() < 0.3:
             ls["max_scale"] = rng.choice([2.0**24, 2.0**40])
+        if rng.random() < 0.3:  # DeepSpeed's window + 1 among others
+            ls["first_growth_interval"] = ls["growth_interval"] + rng.choice([1, 1, 5, -0]) or 1
+    if ls["skip_nonfinite"] and rng.random() < 0.2:
+        ls["max_consecutive_skips"] = rng.choice([0, 1, 5])
     return ls
 
 

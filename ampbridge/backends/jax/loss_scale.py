@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core.loss_scale import LossScaleState as ReferenceState
+from ...core.loss_scale import INT32_MAX, restart_count
 from ...core.loss_scale import initial_state as _reference_initial_state
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError, warn_once
@@ -27,7 +28,7 @@ from .environment import _optax, _phase_policy, resolve_policy
 
 
 #: the int32 counters of :class:`LossScaleState`, in the order they sit in ``counters``
-COUNTERS = ("good_steps", "hysteresis_left", "steps", "skipped", "min_scale_hits")
+COUNTERS = ("good_steps", "hysteresis_left", "steps", "skipped", "min_scale_hits", "nonfinite_streak")
 
 
 class LossScaleState(NamedTuple):
@@ -36,8 +37,8 @@ class LossScaleState(NamedTuple):
     keep all of it, and a jitted step passes two buffers, as jmp's ``DynamicLossScale`` does (each
     buffer costs host dispatch on every call).
 
-    The fields read by name: ``scale``, ``good_steps``, ``hysteresis_left``, ``steps``, ``skipped``
-    (the reference algorithm's ``ampbridge.LossScaleState``) and ``min_scale_hits`` (overflows at
+    The fields read by name: ``scale``, ``good_steps``, ``hysteresis_left``, ``steps``, ``skipped``,
+    ``nonfinite_streak`` (the reference algorithm's ``ampbridge.LossScaleState``) and ``min_scale_hits`` (overflows at
     ``min_scale``, the event ``on_min_scale`` acts on, read on the host by :func:`check`); stacked
     states (``lax.scan`` outputs) read the same way. Build one with :meth:`from_fields`, change
     fields with :meth:`replace`.
@@ -45,11 +46,11 @@ class LossScaleState(NamedTuple):
     Example:
         >>> s = LossScaleState.from_fields(8.0, good_steps=3, hysteresis_left=1)
         >>> float(s.scale), int(s.good_steps), s.counters.shape, int(s.replace(steps=4).steps)
-        (8.0, 3, (5,), 4)
+        (8.0, 3, (6,), 4)
     """
 
     scale: jax.Array  # float32
-    counters: jax.Array  # int32[..., 5], COUNTERS
+    counters: jax.Array  # int32[..., 6], COUNTERS
 
     COUNTERS = COUNTERS  # the names of the counters, in order (a class attribute, not a field)
 
@@ -73,11 +74,15 @@ class LossScaleState(NamedTuple):
     def min_scale_hits(self) -> jax.Array:
         return self.counters[..., 4]
 
+    @property
+    def nonfinite_streak(self) -> jax.Array:
+        return self.counters[..., 5]
+
     @classmethod
     def from_fields(cls, scale: Any, good_steps: Any = 0, hysteresis_left: Any = 1, steps: Any = 0,
-                    skipped: Any = 0, min_scale_hits: Any = 0) -> "LossScaleState":
-        """The state from its six fields (arrays or numbers; equal shapes)."""
-        counters = (good_steps, hysteresis_left, steps, skipped, min_scale_hits)
+                    skipped: Any = 0, min_scale_hits: Any = 0, nonfinite_streak: Any = 0) -> "LossScaleState":
+        """The state from its seven fields (arrays or numbers; equal shapes)."""
+        counters = (good_steps, hysteresis_left, steps, skipped, min_scale_hits, nonfinite_streak)
         if all(isinstance(c, (int, np.integer, np.ndarray)) for c in counters):  # host values: one transfer
             return cls(jnp.asarray(scale, jnp.float32), jnp.asarray(np.stack(
                 [np.asarray(c, np.int32) for c in counters], axis=-1)))
@@ -98,14 +103,14 @@ class LossScaleState(NamedTuple):
 
     def to_reference(self) -> ReferenceState:
         """The core's ``LossScaleState`` (host values; this reads the device once)."""
-        good, hyst, steps, skipped, _ = (int(c) for c in np.asarray(self.counters))
+        good, hyst, steps, skipped, _, streak = (int(c) for c in np.asarray(self.counters))
         return ReferenceState(scale=float(self.scale), good_steps=good, hysteresis_left=hyst, steps=steps,
-                              skipped=skipped)
+                              skipped=skipped, nonfinite_streak=streak)
 
     @classmethod
     def from_reference(cls, state: ReferenceState, min_scale_hits: int = 0) -> "LossScaleState":
         return cls.from_fields(state.scale, state.good_steps, state.hysteresis_left, state.steps,
-                               state.skipped, min_scale_hits)
+                               state.skipped, min_scale_hits, state.nonfinite_streak)
 
 
 class AmpState(NamedTuple):
@@ -184,9 +189,15 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array,
     if finite is None:
         finite = ~found_inf
     counters = s.counters
-    skips = found_inf.astype(i32) if cfg.skip_nonfinite else jnp.zeros_like(found_inf, i32)
-    if cfg.mode != "dynamic":  # steps and skipped count, nothing else moves
-        return LossScaleState(s.scale, counters + _pack(0, 0, 1, skips, 0, like=skips)), jnp.zeros((), bool)
+    streak = counters[..., 5]
+    skip = _skips(cfg, found_inf, streak)
+    skips = skip.astype(i32)
+    # the non-finite streak saturates at int32's maximum (optax's safe_increment)
+    new_streak = (_select(found_inf, streak + (streak < INT32_MAX).astype(i32), jnp.zeros_like(streak))
+                  if cfg.max_consecutive_skips is not None else streak)
+    if cfg.mode != "dynamic":  # steps, skipped and the streak count, nothing else moves
+        moved = counters + _pack(0, 0, 1, skips, 0, 0, like=skips)
+        return LossScaleState(s.scale, moved.at[..., 5].set(new_streak)), jnp.zeros((), bool)
     scale, good, hyst = s.scale, counters[..., 0], counters[..., 1]
     # Plain float32 products are exact while the scale stays normal, which a normal min_scale
     # guarantees (a flushed backoff product loses to the floor either way); otherwise go exact.
@@ -221,19 +232,31 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array,
     elif cfg.max_scale is not None:
         grown = as_f32(jnp.minimum(as_int(grown), _f32_bits(cfg.max_scale)))
     new_scale = _select(backoff, backed, _select(grown_ok, grown, scale))
-    new_good = _select(found_inf | grow, jnp.zeros_like(good_next), good_next)
+    restart = jnp.full_like(good_next, restart_count(cfg))
+    new_good = _select(found_inf, restart, _select(grow, jnp.zeros_like(good_next), good_next))
     full = jnp.full_like(hyst, cfg.hysteresis)
     hyst_finite = full if cfg.consecutive_hysteresis else _select(grow, full, hyst)
     new_hyst = _select(found_inf, _select(exhausted, hyst, hyst - 1), hyst_finite)
     # steps, skipped and min_scale_hits count up: one add on the last three counters
-    tail = counters[..., 2:] + _pack(1, skips, event.astype(i32), like=skips)
-    new = LossScaleState(new_scale, jnp.concatenate([new_good[..., None], new_hyst[..., None], tail], axis=-1))
+    tail = counters[..., 2:5] + _pack(1, skips, event.astype(i32), like=skips)
+    new = LossScaleState(new_scale, jnp.concatenate([new_good[..., None], new_hyst[..., None], tail,
+                                                     new_streak[..., None]], axis=-1))
     if cfg.on_min_scale != "error" or cfg.min_scale is None:
         return new, jnp.zeros((), bool)
     hits = counters[..., 4]
     halted = (hits > 0) | event
     frozen = s.replace(min_scale_hits=jnp.maximum(hits, 1))
     return jax.tree_util.tree_map(lambda a, b: jnp.where(halted, a, b), frozen, new), halted
+
+
+def _skips(cfg: LossScaleConfig, found_inf: jax.Array, streak_before: jax.Array) -> jax.Array:
+    """Whether this step's update is skipped: non-finite, skip_nonfinite, and (with
+    ``max_consecutive_skips``) fewer than that many skipped in a row before it."""
+    if not cfg.skip_nonfinite:
+        return jnp.zeros_like(found_inf)
+    if cfg.max_consecutive_skips is None:
+        return found_inf
+    return found_inf & (streak_before < cfg.max_consecutive_skips)
 
 
 def _pack(*counters: Any, like: jax.Array) -> jax.Array:
@@ -385,7 +408,8 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
         proposed = inner_updates
         keep_conditions = []  # the update is taken when all hold (no double negation in the program)
         if cfg.skip_nonfinite:
-            keep_conditions.append(finite)
+            keep_conditions.append(~_skips(cfg, ~finite, ls.nonfinite_streak) if
+                                   cfg.max_consecutive_skips is not None else finite)
         if cfg.on_min_scale == "error" and cfg.min_scale is not None:
             keep_conditions.append(~halted)
         if keep_conditions:
@@ -527,7 +551,8 @@ def reset_loss_scale(opt_state: Any, policy: Policy | LossScaleConfig | str) -> 
     def swap(x: Any) -> Any:
         if isinstance(x, AmpState):
             ls = x.loss_scale
-            return x._replace(loss_scale=fresh.replace(steps=ls.steps, skipped=ls.skipped))
+            return x._replace(loss_scale=fresh.replace(steps=ls.steps, skipped=ls.skipped,
+                                                       nonfinite_streak=ls.nonfinite_streak))
         return x
 
     return jax.tree_util.tree_map(swap, opt_state, is_leaf=lambda x: isinstance(x, AmpState))

@@ -18,7 +18,7 @@ import numpy as np
 from keras import ops
 from keras.src import api_export as _api_export
 
-from ...core.loss_scale import LossScaleState, f32, initial_state
+from ...core.loss_scale import INT32_MAX, LossScaleState, f32, initial_state, restart_count
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
 from ..private_hooks import tested_range
@@ -55,10 +55,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Every setting of ``[loss_scale]`` is honoured (growth and backoff factors, interval,
     hysteresis, ``consecutive_hysteresis``, min/max, ``on_min_scale``, static and none modes,
-    ``skip_nonfinite``), in backend-agnostic ``keras.ops``, for ``fit`` on every backend
+    ``skip_nonfinite``, ``first_growth_interval``, ``max_consecutive_skips``), in backend-agnostic
+    ``keras.ops``, for ``fit`` on every backend
     (``scale_loss`` / ``apply`` / ``stateless_apply``) and for custom loops. A skipped step
-    leaves the weights and the inner optimizer's variables untouched. The state (all five
-    reference fields, plus the count of overflows at ``min_scale``) is optimizer variables,
+    leaves the weights and the inner optimizer's variables untouched. The state (every reference
+    field, plus the count of overflows at ``min_scale``) is optimizer variables,
     so ``model.save`` / checkpoints carry it. Build one with :func:`optimizer`.
 
     ``on_min_scale = "warn" | "error"`` needs the host to look at the state after a step:
@@ -144,7 +145,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             start = initial_state(self._config)
             self.dynamic_scale.assign(np.float32(start.scale))
             for attr, init in (("hysteresis_left", start.hysteresis_left), ("loss_scale_steps", 0),
-                               ("skipped_steps", 0), ("min_scale_overflows", 0)):
+                               ("skipped_steps", 0), ("min_scale_overflows", 0), ("nonfinite_streak", 0)):
                 setattr(self, attr, self.add_variable(
                     shape=(), dtype="int32", initializer=keras.initializers.Constant(init),
                     aggregation="none", name=attr))
@@ -153,27 +154,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self._monitor is not None:
             self._build_monitor_variables()
 
+    def add_variable(self, *args: Any, **kwargs: Any) -> Any:
+        # Keras's build creates step_counter (good_steps) at zero; with first_growth_interval it starts
+        # elsewhere. Set as the initializer: an assign in build would be lost when a tf.function builds
+        if kwargs.get("name") == "step_counter" and initial_state(self._config).good_steps:
+            kwargs["initializer"] = keras.initializers.Constant(initial_state(self._config).good_steps)
+        return super().add_variable(*args, **kwargs)
+
     @property
     def _state_variables(self) -> list[Any]:
-        # good_steps, scale, hysteresis_left, steps, skipped, overflows at min_scale
+        # good_steps, scale, hysteresis_left, steps, skipped, overflows at min_scale, nonfinite_streak
         return [self.step_counter, self.dynamic_scale, self.hysteresis_left, self.loss_scale_steps,
-                self.skipped_steps, self.min_scale_overflows]
+                self.skipped_steps, self.min_scale_overflows, self.nonfinite_streak]
 
     @property
     def state(self) -> LossScaleState:
         """The loss-scale state as the core's :class:`ampbridge.LossScaleState` (reads values)."""
         if not self.built:
             return initial_state(self._config)
-        own = [_host(v) for v in self._state_variables[:5]]
+        own = [_host(v) for v in self._state_variables]
         return LossScaleState(scale=float(own[1]), good_steps=int(own[0]), hysteresis_left=int(own[2]),
-                              steps=int(own[3]), skipped=int(own[4]))
+                              steps=int(own[3]), skipped=int(own[4]), nonfinite_streak=int(own[6]))
 
     def set_state(self, state: LossScaleState) -> None:
-        """Overwrite the loss-scale state (all five fields)."""
+        """Overwrite the loss-scale state (all its fields)."""
         if not self.built:
             raise ValueError("build the optimizer first: optimizer.build(model.trainable_variables)")
-        for v, x in zip(self._state_variables[:5], (state.good_steps, np.float32(state.scale),
-                                              state.hysteresis_left, state.steps, state.skipped)):
+        own = self._state_variables
+        for v, x in zip(own[:5] + own[6:], (state.good_steps, np.float32(state.scale), state.hysteresis_left,
+                                            state.steps, state.skipped, state.nonfinite_streak)):
             v.assign(x)
 
     @property
@@ -190,13 +199,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _next_state(self, own: list[Any], found_inf: Any) -> list[Any]:
         cfg = self._config
-        good, scale, hyst, steps, skipped, overflows = own
+        good, scale, hyst, steps, skipped, overflows, streak = own
         one = ops.cast(1, "int32")
-        inf_i = ops.cast(found_inf, "int32")
         steps_new = ops.add(steps, one)
-        skipped_new = ops.add(skipped, inf_i) if cfg.skip_nonfinite else skipped
+        skipped_new = ops.add(skipped, ops.cast(self._skips(found_inf, streak), "int32"))
+        if cfg.max_consecutive_skips is not None:  # saturates at int32's maximum (optax's safe_increment)
+            bumped = ops.add(streak, ops.cast(ops.less(streak, INT32_MAX), "int32"))
+            streak = ops.where(found_inf, bumped, ops.zeros_like(streak))
         if cfg.mode != "dynamic":
-            return [good, scale, hyst, steps_new, skipped_new, overflows]
+            return [good, scale, hyst, steps_new, skipped_new, overflows, streak]
         backoff_now = ops.logical_and(found_inf, ops.less_equal(hyst, 1))
         backed = ops.multiply(scale, np.float32(f32(cfg.backoff_factor)))
         if cfg.min_scale is not None:
@@ -209,18 +220,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grown = candidate if cfg.max_scale is None else ops.minimum(candidate, np.float32(f32(cfg.max_scale)))
         grown = ops.where(ops.isfinite(candidate), grown, scale)
         scale_new = ops.where(found_inf, ops.where(backoff_now, backed, scale), ops.where(grow, grown, scale))
-        good_new = ops.where(ops.logical_or(found_inf, grow), ops.zeros_like(good), good_plus)
+        good_new = ops.where(found_inf, ops.full_like(good, restart_count(cfg)),
+                             ops.where(grow, ops.zeros_like(good), good_plus))
         hyst_on_inf = ops.where(backoff_now, hyst, ops.subtract(hyst, one))
         refill = ops.full_like(hyst, cfg.hysteresis)
         hyst_on_ok = refill if cfg.consecutive_hysteresis else ops.where(grow, refill, hyst)
         hyst_new = ops.where(found_inf, hyst_on_inf, hyst_on_ok)
-        new = [good_new, scale_new, hyst_new, steps_new, skipped_new, overflows]
+        new = [good_new, scale_new, hyst_new, steps_new, skipped_new, overflows, streak]
         if cfg.min_scale is not None:
             if cfg.on_min_scale == "error":
                 # the reference raises before changing anything: keep the step's state as it was
-                new = [ops.where(at_min, old, n) for old, n in zip(own[:5], new[:5])] + [overflows]
+                new = [ops.where(at_min, old, n) for old, n in zip(own, new)]
             new[5] = ops.add(overflows, ops.cast(at_min, "int32"))
         return new
+
+    def _skips(self, found_inf: Any, streak: Any) -> Any:
+        """Whether this step's update is skipped: non-finite, ``skip_nonfinite``, and fewer than
+        ``max_consecutive_skips`` skipped in a row before it (where that is set)."""
+        cfg = self._config
+        if not cfg.skip_nonfinite:
+            return ops.zeros_like(found_inf)
+        if cfg.max_consecutive_skips is None:
+            return found_inf
+        return ops.logical_and(found_inf, ops.less(streak, cfg.max_consecutive_skips))
+
+    def _takes(self, finite: Any, own: list[Any]) -> Any:
+        """Whether this step's update is applied (the complement of :meth:`_skips`)."""
+        if self._config.max_consecutive_skips is None:
+            return finite
+        return ops.logical_not(self._skips(ops.logical_not(finite), own[6]))
 
     def _unscale(self, grads: list[Any], scale: Any) -> list[Any]:
         if self._config.mode == "none":
@@ -290,6 +318,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self._config.skip_nonfinite:
             raise UnsupportedOptionError("loss_scale.skip_nonfinite=false is not supported with a "
                                          "tf.distribute strategy that needs merge_call")
+        if self._config.max_consecutive_skips is not None:
+            raise UnsupportedOptionError("loss_scale.max_consecutive_skips is not supported with a "
+                                         "tf.distribute strategy that needs merge_call")
         self._assign_own(self._next_state(self._own_values(), ops.convert_to_tensor(True)))
 
     def _common_apply(self, grads: Any, trainable_variables: Any = None) -> None:
@@ -302,7 +333,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             head, stats = self.monitor_head, self.monitor_stats
             new_head, new_stats = self._monitor_values(grads, variables, own, finite, flags, stats.value)
         if self._config.skip_nonfinite:
-            ops.cond(finite, lambda: self._apply_inner(grads, trainable_variables, own[1]), lambda: None)
+            ops.cond(self._takes(finite, own), lambda: self._apply_inner(grads, trainable_variables, own[1]),
+                     lambda: None)
         else:
             self._apply_inner(grads, trainable_variables, own[1])
         self._assign_own(self._next_state(own, ops.logical_not(finite)))
@@ -406,7 +438,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return list(new_weights), list(new_inner)
 
         if self._config.skip_nonfinite:
-            new_weights, new_inner = ops.cond(finite, step, lambda: (list(trainable_variables), inner))
+            new_weights, new_inner = ops.cond(self._takes(finite, [own[i] for i in where]), step,
+                                              lambda: (list(trainable_variables), inner))
         else:
             new_weights, new_inner = step()
         for i, x in zip(where, self._next_state([own[i] for i in where], ops.logical_not(finite))):
@@ -457,7 +490,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _extra_variables(self) -> list[Any]:
         if not hasattr(self, "min_scale_overflows"):  # not built yet
             return []
-        return [self.hysteresis_left, self.loss_scale_steps, self.skipped_steps, self.min_scale_overflows]
+        return [self.hysteresis_left, self.loss_scale_steps, self.skipped_steps, self.min_scale_overflows,
+                self.nonfinite_streak]
 
     def save_own_variables(self, store: Any) -> None:
         # Keras's layout when the file names Keras's class (the rest of the state is the asset)
@@ -467,7 +501,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def load_own_variables(self, store: Any) -> None:
         n = len(store.keys())
-        variables = next((vs for vs in (self._saved_variables(), self._keras_variables() if self.built else [])
+        saved = self._saved_variables()
+        # a file from before nonfinite_streak existed: every variable but that one
+        older = [v for v in saved if v is not getattr(self, "nonfinite_streak", None)]
+        variables = next((vs for vs in (saved, self._keras_variables() if self.built else [], older)
                           if len(vs) == n), None)
         if variables is None:
             warnings.warn(f"Skipping variable loading for optimizer '{self.name}', because it has "
@@ -503,7 +540,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.policy = Policy.from_dict(data["policy"])
         if data.get("state") is not None and self.built:
             for v, name in zip(self._extra_variables(), _EXTRA_NAMES):
-                v.assign(int(data["state"][name]))
+                if name in data["state"]:  # (nonfinite_streak is newer than the asset format)
+                    v.assign(int(data["state"][name]))
 
     def _finite_flags(self, grads: list[Any]) -> list[Any]:
         return [ops.all(ops.isfinite(g)) if g is not None else None for g in grads]
@@ -532,7 +570,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         stats_layout, leaves = self._monitor_layout(variables)
         scale, steps = ops.cast(own[1], "float32"), own[3]
         found_inf = ops.logical_not(finite)
-        skipped = found_inf if self._config.skip_nonfinite else ops.zeros_like(found_inf)
+        skipped = self._skips(found_inf, own[6])
         candidates = [ops.where(flags[pos], -1.0, float(leaf)) for pos, leaf in leaves if flags[pos] is not None]
         param_first = ops.max(ops.stack(candidates)) if candidates else ops.convert_to_tensor(-1.0)
         if _backend() == "torch":  # eager: decide on the host, no sync for ops.cond's predicate
@@ -570,7 +608,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _loss_scale_dict(self) -> dict[str, Any]:
         return {f: getattr(self._config, f) for f in (
             "mode", "initial_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-            "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale", "skip_nonfinite")}
+            "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale", "skip_nonfinite",
+            "first_growth_interval", "max_consecutive_skips")}
 
     def get_config(self) -> dict[str, Any]:
         """Keras's four keys (``name``, ``inner_optimizer``, ``initial_scale``,
@@ -620,10 +659,12 @@ class _ExtraState(keras.layers.Layer):
 
     def load_own_variables(self, store: Any) -> None:
         owner = self._owner()
-        if owner is not None and owner.built and all(name in store.keys() for name in _EXTRA_NAMES):
+        # (a file from before nonfinite_streak existed lacks only that one)
+        if owner is not None and owner.built and all(name in store.keys() for name in _EXTRA_NAMES[:4]):
             for name, v in zip(_EXTRA_NAMES, owner._extra_variables()):
-                v.assign(store[name])
-_EXTRA_NAMES = ("hysteresis_left", "steps", "skipped", "min_scale_overflows")
+                if name in store.keys():
+                    v.assign(store[name])
+_EXTRA_NAMES = ("hysteresis_left", "steps", "skipped", "min_scale_overflows", "nonfinite_streak")
 
 
 def keras_expressible(config: LossScaleConfig) -> bool:
@@ -639,7 +680,7 @@ def keras_expressible(config: LossScaleConfig) -> bool:
     """
     return (config.mode == "dynamic" and config.growth_factor == 2.0 and config.backoff_factor == 0.5
             and config.hysteresis == 1 and config.min_scale is None and config.max_scale is None
-            and config.skip_nonfinite)
+            and config.skip_nonfinite and restart_count(config) == 0 and config.max_consecutive_skips is None)
 
 
 class _KerasFormat(LossScaleOptimizer):

@@ -136,8 +136,9 @@ class _FitDispatch:
                 return fn(data)
         monitor, opt, step = self.monitor, self.monitor.optimizer, self.step
         self.step += 1
-        if step % monitor.every == 0 or not opt.loss_scale_config.skip_nonfinite:
-            # sampled; or non-finite steps are applied (nothing to replay), so every step is read
+        cfg = opt.loss_scale_config
+        if step % monitor.every == 0 or not cfg.skip_nonfinite or cfg.max_consecutive_skips is not None:
+            # sampled; or non-finite steps are (or may be) applied (nothing to replay), so every step is read
             self.flush()
             opt._monitor.host_step = step
             out = run(self.stats)

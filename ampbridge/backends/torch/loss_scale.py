@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from ...core.loss_scale import LossScaleState, enter_phase, f32, initial_state
+from ...core.loss_scale import INT32_MAX, LossScaleState, enter_phase, f32, initial_state, restart_count
 from ...core.policy import LossScaleConfig
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
 from ..private_hooks import tested_range
@@ -62,6 +62,8 @@ class GradScaler(torch.amp.GradScaler):
         self._hysteresis_left: torch.Tensor | None = None
         self._steps = state.steps  # known on the host exactly: one per update()
         self._skipped: torch.Tensor | None = None  # float64: exact to 2^53, and a single add_ per step
+        self._streak: torch.Tensor | None = None  # int32: non-finite steps in a row (max_consecutive_skips)
+        self._applied_anyway = False  # this step was non-finite and applied (max_consecutive_skips reached)
         self._host_state = state  # used while the scaler is disabled (mode none, no skipping)
         self._host_steps = state.steps
         self._warned = False
@@ -81,7 +83,8 @@ class GradScaler(torch.amp.GradScaler):
         self._backoff_factor = f32(cfg.backoff_factor)
         self._growth_interval = cfg.growth_interval
         self._native_update = (cfg.mode == "dynamic" and cfg.hysteresis == 1 and cfg.min_scale is None
-                               and cfg.max_scale is None)
+                               and cfg.max_scale is None and restart_count(cfg) == 0)
+        self._restart = restart_count(cfg)
         self._min = f32(cfg.min_scale) if cfg.min_scale is not None else None
         self._max = f32(cfg.max_scale) if cfg.max_scale is not None else None
 
@@ -98,6 +101,7 @@ class GradScaler(torch.amp.GradScaler):
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_left = torch.full((), state.hysteresis_left, dtype=torch.int32, device=dev)
         self._skipped = torch.full((), state.skipped, dtype=torch.float64, device=dev)
+        self._streak = torch.full((), state.nonfinite_streak, dtype=torch.int32, device=dev)
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         if self._monitor is not None:
@@ -143,21 +147,36 @@ class GradScaler(torch.amp.GradScaler):
         if not self.config.skip_nonfinite:  # applied whatever the gradients: nothing to read
             return optimizer.step(*args, **kwargs)
         found = list(optimizer_state["found_inf_per_device"].values())
-        if len(found) != 1:
+        limit = self.config.max_consecutive_skips
+        if len(found) != 1 and limit is None:
             return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        flag = found[0]
-        if self._needs_min_check():
+        if len(found) != 1:  # several devices: torch's own reading, one flag each
+            overflow = bool(sum(v.item() for v in found))
+        elif self._needs_min_check():
             # one read answers both questions: was there an overflow, and is the scale at its floor
-            code = int((flag > 0).to(torch.int32).add_(self._at_min().to(torch.int32), alpha=2).item())
+            code = int((found[0] > 0).to(torch.int32).add_(self._at_min().to(torch.int32), alpha=2).item())
             overflow, self._at_min_read = bool(code & 1), bool(code & 2)
         else:
-            overflow = bool(flag.item())
+            overflow = bool(found[0].item())
         self._found_read[id(optimizer)] = overflow
+        if overflow and limit is not None:
+            assert self._streak is not None
+            # a second read, on non-finite steps only: max_consecutive_skips skipped in a row already?
+            if bool((self._streak >= limit).item()):
+                self._applied_anyway = True
+                return optimizer.step(*args, **kwargs)
         return None if overflow else optimizer.step(*args, **kwargs)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         if not getattr(self, "_step_verified", False):  # (a scaler unpickled from an older ampbridge)
             return self._verified_step(optimizer, *args, **kwargs)
+        if (self._enabled and self.config.max_consecutive_skips is not None
+                and getattr(optimizer, "_step_supports_amp_scaling", False)):
+            raise UnsupportedOptionError(
+                f"ampbridge.torch.GradScaler: loss_scale.max_consecutive_skips="
+                f"{self.config.max_consecutive_skips} with a fused optimizer ({type(optimizer).__name__}, which "
+                "skips a non-finite step on the device by itself): not supported; use the optimizer's "
+                "non-fused form (fused=False) or leave max_consecutive_skips out")
         if self._monitor is not None and not self._enabled:  # nothing is unscaled: scale 1
             self._monitor._saw_grads(None, self._host_steps)
         if (self._enabled and not self.config.skip_nonfinite
@@ -243,8 +262,9 @@ class GradScaler(torch.amp.GradScaler):
             found_flag = found_flag + f
         read = [self._found_read.get(i) for i in self._per_optimizer_states]
         known = None if any(r is None for r in read) else any(read)
+        skip = self.config.skip_nonfinite and not getattr(self, "_applied_anyway", False)
         if self._monitor is not None:  # before the scale moves: the log holds the scale this step used
-            self._monitor._step_done(self._steps, found_flag, known, scale, self.config.skip_nonfinite)
+            self._monitor._step_done(self._steps, found_flag, known, scale, skip)
         if self._needs_min_check():
             if known is not None and self._at_min_read is not None:
                 hit = known and self._at_min_read
@@ -258,16 +278,22 @@ class GradScaler(torch.amp.GradScaler):
                                          self._growth_interval)
             else:
                 self._update_dynamic(scale, tracker, found_flag)
-        assert self._skipped is not None
+        assert self._skipped is not None and self._streak is not None
         self._steps += 1
+        limit = self.config.max_consecutive_skips
+        skipped_flag = found_flag
+        if limit is not None:  # skipped: non-finite with fewer than `limit` skipped in a row before it
+            skipped_flag = (found_flag > 0) & (self._streak < limit)
+            bump = (self._streak < INT32_MAX).to(torch.int32)  # saturates, as optax's safe_increment
+            self._streak.copy_(torch.where(found_flag > 0, self._streak + bump, torch.zeros_like(self._streak)))
         if self.config.skip_nonfinite:
             # one optimizer on one device: found_inf is exactly 0.0 or 1.0
-            self._skipped.add_(found_flag if len(found_infs) == 1 else (found_flag > 0))
-        skip = self.config.skip_nonfinite
+            self._skipped.add_(skipped_flag if len(found_infs) == 1 or limit is not None else (found_flag > 0))
         if known is not None:
             self._last_result = _SKIPPED if known and skip else _APPLIED
         else:
-            self._last_result = StepResult(found_flag) if skip else _APPLIED
+            self._last_result = StepResult(skipped_flag) if skip else _APPLIED
+        self._applied_anyway = False
         self._found_read.clear()
         self._at_min_read = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -290,7 +316,7 @@ class GradScaler(torch.amp.GradScaler):
         assert hyst is not None
         found = found_flag > 0
         back_off = found & (hyst <= 1)
-        good = torch.where(found, torch.zeros_like(tracker), tracker + 1)
+        good = torch.where(found, torch.full_like(tracker, getattr(self, "_restart", 0)), tracker + 1)
         grow = (~found) & (good == cfg.growth_interval)
         if cfg.consecutive_hysteresis:
             refill = torch.full_like(hyst, cfg.hysteresis)
@@ -321,21 +347,22 @@ class GradScaler(torch.amp.GradScaler):
         """The five reference fields (reads the device: a sync)."""
         if not self._enabled:
             h = self._host_state
-            return LossScaleState(1.0, 0, h.hysteresis_left, self._host_steps, h.skipped)
+            return LossScaleState(1.0, 0, h.hysteresis_left, self._host_steps, h.skipped, h.nonfinite_streak)
         if self._scale is None:
             return self._pending
         assert self._growth_tracker is not None and self._hysteresis_left is not None
-        assert self._skipped is not None
+        assert self._skipped is not None and self._streak is not None
         return LossScaleState(float(self._scale.item()), int(self._growth_tracker.item()),
-                              int(self._hysteresis_left.item()), self._steps, int(self._skipped.item()))
+                              int(self._hysteresis_left.item()), self._steps, int(self._skipped.item()),
+                              int(self._streak.item()))
 
     def load_loss_scale_state(self, state: LossScaleState) -> None:
-        """Set the five reference fields."""
+        """Set the reference fields."""
         if self.config.mode == "none":
-            state = LossScaleState(1.0, 0, state.hysteresis_left, state.steps, state.skipped)
+            state = LossScaleState(1.0, 0, state.hysteresis_left, state.steps, state.skipped, state.nonfinite_streak)
         elif self.config.mode == "static":
             state = LossScaleState(f32(self.config.initial_scale), 0, state.hysteresis_left, state.steps,
-                                   state.skipped)
+                                   state.skipped, state.nonfinite_streak)
         self._host_state = self._pending = state
         self._steps = self._host_steps = state.steps
         self._init_scale, self._init_growth_tracker = state.scale, state.good_steps
@@ -346,6 +373,8 @@ class GradScaler(torch.amp.GradScaler):
             self._growth_tracker.fill_(state.good_steps)
             self._hysteresis_left.fill_(state.hysteresis_left)
             self._skipped.fill_(state.skipped)
+            assert self._streak is not None
+            self._streak.fill_(state.nonfinite_streak)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys (``scale``, factors, interval, ``_growth_tracker``) plus ampbridge's."""
@@ -353,7 +382,7 @@ class GradScaler(torch.amp.GradScaler):
         return {"scale": s.scale, "growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
                 "growth_interval": self._growth_interval, "_growth_tracker": s.good_steps,
                 "hysteresis_left": s.hysteresis_left, "steps": s.steps, "skipped": s.skipped,
-                "mode": self.config.mode}
+                "nonfinite_streak": s.nonfinite_streak, "mode": self.config.mode}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load ours or a plain ``torch.amp.GradScaler`` state dict (missing fields: their start values).
@@ -374,7 +403,7 @@ class GradScaler(torch.amp.GradScaler):
         self.load_loss_scale_state(LossScaleState(
             float(state_dict["scale"]), int(state_dict.get("_growth_tracker", 0)),
             int(state_dict.get("hysteresis_left", start.hysteresis_left)), int(state_dict.get("steps", 0)),
-            int(state_dict.get("skipped", 0))))
+            int(state_dict.get("skipped", 0)), int(state_dict.get("nonfinite_streak", 0))))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -386,7 +415,7 @@ class GradScaler(torch.amp.GradScaler):
         state["_init_scale"], state["_init_growth_tracker"] = pending.scale, pending.good_steps
         state["_monitor"] = None  # a log file stays with its process
         state["_agree_group"] = None  # a process group stays with its process: call agree_across again
-        for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped"):
+        for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped", "_streak"):
             state[name] = None
         state["_last_result"] = _APPLIED
         return state

@@ -252,7 +252,7 @@ def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int
         _tick(progress, i)
     s = abj.loss_scale(opt_state)
     run.final_state = LossScaleState(float(s.scale), int(s.good_steps), int(s.hysteresis_left), int(s.steps),
-                                     int(s.skipped))
+                                     int(s.skipped), int(s.nonfinite_streak))
     return run
 
 
