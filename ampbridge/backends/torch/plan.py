@@ -132,6 +132,7 @@ class _Realisation:
     storage: Mapping[int, tuple[nn.Parameter, torch.dtype]] = field(default_factory=dict)
     input_following: frozenset[str] = frozenset()  # rows whose dtype follows their input
     promoted: frozenset[str] = frozenset()  # rows whose own code promotes the stream (output not cast)
+    bypassed: frozenset[str] = frozenset()  # rows whose forward their parent never calls (it uses their parameters)
 
 
 def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool = True,
@@ -297,7 +298,7 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                           "ampbridge.torch.plan(model, policy, *example_inputs) traces the exact dtypes")
     out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
     return _Realisation(out, policy, specs, storage, frozenset(input_following),
-                        frozenset(p for p in widened if p and p in modules))
+                        frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
 
 
 def _sequential_outputs(rows: list[PlanRow], modules: Mapping[str, nn.Module], rules: Mapping[str, Any],
