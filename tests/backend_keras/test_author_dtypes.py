@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ampbridge._testing import require
 
 keras = require("keras")
@@ -89,3 +91,13 @@ def test_a_dtype_policy_object_is_the_authors_as_a_name_is():
     # the model's own policy object passed down (keras-hub style) is not a pin
     plan = ak.plan(_Backbone(dtype=keras.DTypePolicy("bfloat16")), MIXED)
     assert plan["inner"].rule == "default" and plan["softmax"].rule == "set by the model"
+
+
+def test_applying_to_a_layer_of_an_applied_model_is_refused_by_name():
+    """issue 37: a layer of an applied model follows that model's Plan; the model itself re-applies."""
+    model = ak.apply(_object_model("float32"), MIXED)
+    with pytest.raises(ampbridge.UnsupportedOptionError, match="this layer is 'body' of an applied Functional"):
+        ak.apply(model.get_layer("body"), MIXED)
+    ak.apply(model, ampbridge.preset("mixed_bfloat16"))  # the model again: fine
+    assert model.get_layer("body").dtype_policy.name == "mixed_bfloat16"
+    ak.apply(_object_model("float32").get_layer("body"), MIXED)  # a layer of a model never applied: fine
