@@ -184,3 +184,21 @@ def test_equal_plans_give_equal_graphdefs_and_jit_traces_once(bits_equal):
         stats = step(model, nnx.Optimizer(model, tx, wrt=nnx.Param), x)
         assert stats.layers == ("norm", "up", "down", "gate") and not bool(stats.skipped)
     assert len(steps) == 1
+
+
+def test_nested_apply_is_refused_by_name():
+    """issue 37: an applied copy, or a module of one, runs its Plan already (a second apply would wrap
+    its calls twice); the original stays free to apply, and linen's Applied is refused too."""
+    from ampbridge.backends.jax.apply import ModelNotSupportedError
+
+    net = Net(nnx.Rngs(0))
+    applied = abj.apply(net, POLICY)
+    for target in (applied, applied.layers[0], applied.layers[0].up):
+        with pytest.raises(ModelNotSupportedError, match="belongs to a model ampbridge.jax.apply returned"):
+            abj.apply(target, POLICY)
+    abj.apply(net, POLICY)  # the original: fine, as often as wanted
+    import flax.linen as nn
+
+    amp = abj.apply(nn.Dense(2), POLICY)
+    with pytest.raises(ModelNotSupportedError, match=r"apply\(amp.module, policy\)"):
+        abj.apply(amp, POLICY)

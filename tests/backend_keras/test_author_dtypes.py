@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ampbridge._testing import require
 
 keras = require("keras")
@@ -68,3 +70,34 @@ def test_a_dtype_passed_down_from_the_model_is_not_a_pin():
     # (ampbridge.keras.load_model reads the pins from the file); a DTypePolicyMap entry still is
     plan = ak.plan(keras.Model.from_config(_guide_model().get_config()), MIXED)
     assert (plan["predictions"].rule, plan["dense_2"].rule) == ("default", "set by the model")
+
+
+def _object_model(given):
+    """A float32 head made with ``dtype=given`` (a name or a DTypePolicy object), and a Dense whose
+    initializer object keeps Keras from recording its arguments (not a pin)."""
+    inputs = keras.Input((4,))
+    x = L.Dense(8, name="body", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
+    return keras.Model(inputs, L.Dense(2, name="head", dtype=given)(x))
+
+
+def test_a_dtype_policy_object_is_the_authors_as_a_name_is():
+    """issue 37: ``dtype=keras.DTypePolicy("float32")`` was lost under apply (a string was kept)."""
+    for given in ("float32", keras.DTypePolicy("float32")):
+        model = ak.apply(_object_model(given), MIXED)
+        plan = ak.plan(model, MIXED)
+        assert (plan["head"].rule, plan["head"].compute_dtype) == ("set by the model", "float32"), given
+        assert model.get_layer("head").dtype_policy.name == "float32"
+        assert (plan["body"].rule, model.get_layer("body").dtype_policy.name) == ("default", "mixed_float16")
+    # the model's own policy object passed down (keras-hub style) is not a pin
+    plan = ak.plan(_Backbone(dtype=keras.DTypePolicy("bfloat16")), MIXED)
+    assert plan["inner"].rule == "default" and plan["softmax"].rule == "set by the model"
+
+
+def test_applying_to_a_layer_of_an_applied_model_is_refused_by_name():
+    """issue 37: a layer of an applied model follows that model's Plan; the model itself re-applies."""
+    model = ak.apply(_object_model("float32"), MIXED)
+    with pytest.raises(ampbridge.UnsupportedOptionError, match="this layer is 'body' of an applied Functional"):
+        ak.apply(model.get_layer("body"), MIXED)
+    ak.apply(model, ampbridge.preset("mixed_bfloat16"))  # the model again: fine
+    assert model.get_layer("body").dtype_policy.name == "mixed_bfloat16"
+    ak.apply(_object_model("float32").get_layer("body"), MIXED)  # a layer of a model never applied: fine

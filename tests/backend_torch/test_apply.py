@@ -44,8 +44,13 @@ def test_applying_twice_is_an_error_and_remove_undoes_it():
     outer = nn.Sequential(model)
     with pytest.raises(abt.ModelNotSupportedError, match="module '0' .* already part of an applied model"):
         abt.apply(outer, "mixed_float16")
+    # a submodule of an applied model (its forward left alone: no rule changes it) is refused by name
+    # (issue 37: accepted before, then undone by the outer remove())
+    with pytest.raises(abt.ModelNotSupportedError, match="this module is '1' of an applied Sequential"):
+        abt.apply(model[1], "mixed_float16")
     amp.remove()
     assert model[0].weight.dtype == torch.float32 and all("forward" not in m.__dict__ for m in model.modules())
+    abt.apply(model[1], "mixed_float16").remove()  # free again after remove()
     with torch.autocast("cpu", enabled=False):
         assert model(torch.ones(1, 4)).dtype == torch.float32
     amp2 = abt.apply(model, "mixed_float16")

@@ -1,6 +1,6 @@
 """A pinned module called from another module's own forward: the row says that its float32 output
 meets the caller's float16 stream and promotes it, in the same words as Keras's and Flax's rows;
-torch promotes indeed, and the caller emits its own row's dtype (as in Keras and Flax); an
+torch promotes indeed, and nothing casts the caller's output back (as with autocast by hand); an
 [[override]] with ``output_dtype`` returns the pinned output to the stream."""
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def test_row_says_the_stream_promotes_and_torch_does():
     assert row.note.startswith(stream_note("float16", "block", "float32"))
     assert "called from" not in (plan["tail.1"].note or "")  # fed by nn.Sequential: autocast casts its input
     assert (normed, stream) == (torch.float32, torch.float32)
-    assert block == torch.float16 == getattr(torch, plan["block"].output_dtype)  # emits its own row's dtype
+    # nothing casts the block's output back (autocast by hand does not): the promoted stream goes on
+    assert block == torch.float32 == getattr(torch, plan["block"].output_dtype)
+    assert "follows the data flow" in plan["block"].note
     assert out.dtype == torch.float32
     assert "called from" not in (ampbridge.torch.plan(Model(), ampbridge.preset("mixed_float16"))["block.norm"].note
                                  or "")

@@ -24,6 +24,7 @@ for _name in ("torch", "keras", "jax", "flax", "optax", "jmp", "numpy"):
 
 import numpy as np  # noqa: E402
 
+from ampbridge.cli.demo.run import semantic_differences  # noqa: E402
 from ampbridge.cli.demo.runners import FRAMEWORKS, RUNNERS  # noqa: E402
 
 STEPS = 50
@@ -137,10 +138,19 @@ CASES = list(POLICIES) + ["schedule"]
 @pytest.mark.parametrize("case", CASES)
 def test_plans_are_identical_row_by_row(case):
     plans = {fw: run(case, fw).plan for fw in FRAMEWORKS}
-    first = plans["torch"]
+    first, promoted = plans["torch"], run(case, "torch").promoted
     for fw in ("keras", "jax"):
-        assert first.differences(plans[fw]) == [], fw
-    assert [r.key() for r in first.rows] == [r.key() for r in plans["jax"].rows]
+        # the one difference the frameworks' own semantics make: a torch block whose code meets a pinned
+        # float32 output carries the promoted stream on (autocast by hand casts nothing at its boundary),
+        # where Keras and Flax cast the next layer's inputs; the torch row says so
+        rest, allowed = semantic_differences(first, plans[fw], promoted)
+        assert rest == [], fw
+        for path in allowed:
+            assert (first[path].output_dtype, plans[fw][path].output_dtype) == (
+                "float32", plans[fw][path].compute_dtype), (fw, path)
+            assert "follows the data flow" in first[path].note
+    assert promoted == ({"block"} if case in ("float16", "bfloat16", "static", "hysteresis") else set())
+    assert [r.path for r in first.rows] == [r.path for r in plans["jax"].rows]  # the same order too
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,7 +14,9 @@ def test_demo_trains_everywhere_and_plots(tmp_path, capsys):
     assert main(["demo", "--steps", "12", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "== training 12 steps in torch, keras, jax; step 4 gets an injected overflow" in out
-    assert "Plan (identical in torch, keras, jax):" in out
+    # the block's output is the one documented difference: torch carries the promoted float32 stream on
+    assert ("Plan (identical in torch, keras, jax but the output of block: torch carries the promoted stream on "
+            "(its row), keras, jax cast the next layer's inputs):") in out
     assert "4     65536 skipped  65536 skipped  65536 skipped" in out
     # the skipped column is a count with the steps it names (issue 23: "4" alone read as a count)
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^(torch|keras|jax)\s+(\S+)\s+1 \(step 4\)\s", out, re.M)}

@@ -17,6 +17,7 @@ import jax
 from ...core.matching import join_path
 from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused
 from ...core.policy import Policy
+from ...errors import AmpBridgeError
 from .cast import _cast_tree
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _linen, _phase_policy, resolve_policy
 from .layers import _Facts, _Resolver
@@ -30,7 +31,7 @@ from .linen import (
     _keep_state_dtypes,
     _trace_state,
 )
-from .nnx import _apply_nnx
+from .nnx import _apply_nnx, _nnx_graph, _nnx_path
 
 
 class Applied:
@@ -282,14 +283,34 @@ def apply(module: Any, policy: Policy | str) -> Any:
     """
     linen = sys.modules.get("flax.linen")
     nnx = sys.modules.get("flax.nnx")
+    if isinstance(module, Applied):
+        raise ModelNotSupportedError(
+            "ampbridge.jax.apply was given an applied model (what apply returned); apply the policy to its "
+            "module instead: ampbridge.jax.apply(amp.module, policy)")
     if linen is not None and isinstance(module, linen.Module):
         return Applied(module, policy)
     if nnx is not None and isinstance(module, nnx.Module):
+        _refuse_applied_nnx(module, nnx)
         resolved, notes = resolve_policy(policy)
         return _apply_nnx(module, _phase_policy(resolved), notes)
     raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
                     f"{type(module).__module__}.{type(module).__qualname__}. For plain pytrees "
                     "(equinox, haiku) use ampbridge.jax.cast(tree, policy)")
+
+
+class ModelNotSupportedError(AmpBridgeError, TypeError):
+    """``apply`` was given a model it cannot realise a policy on (an applied one, or part of one)."""
+
+
+def _refuse_applied_nnx(module: Any, nnx: Any) -> None:
+    """An NNX model ``apply`` returned (or a module of one) runs its own Plan already: applying to it
+    again would wrap its calls twice."""
+    for keypath, value in sorted(_nnx_graph(module), key=lambda kv: len(kv[0])):  # the module itself first
+        if isinstance(value, nnx.Module) and "_ampbridge_original" in vars(type(value)):
+            where = "this module" if not keypath else f"its module {_nnx_path(keypath)!r}"
+            raise ModelNotSupportedError(
+                f"{where} belongs to a model ampbridge.jax.apply returned (it runs that Plan already); apply the "
+                "policy to the original module (apply returns a copy and leaves the original as it was)")
 
 
 def owns(obj: Any) -> bool:

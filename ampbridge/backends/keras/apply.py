@@ -184,6 +184,23 @@ def _refresh_compiled(model: Any) -> None:
             getattr(model, f"make_{kind}_function")(force=True)
 
 
+#: every layer of an applied model -> (its path there, the model's class name, the model)
+_APPLIED: "weakref.WeakKeyDictionary[Any, tuple[str, str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _refuse_nested(model: Any) -> None:
+    """A layer of an applied model takes its dtypes from that model's Plan: a policy applied to the
+    layer alone would be silently replaced by the model's next apply (and contradict its Plan)."""
+    try:
+        owner = _APPLIED.get(model)
+    except TypeError:  # not weak-referenceable: never registered
+        return
+    if owner is not None and owner[2]() is not None and getattr(owner[2](), "_ampbridge_policy", None) is not None:
+        raise UnsupportedOptionError(
+            f"this layer is {owner[0]!r} of an applied {owner[1]}: apply the policy to that model (rules by path "
+            f"reach the layer: match = \"{owner[0]}\"); applying the model again re-applies it cleanly")
+
+
 def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     """Make every layer of ``model`` run its Plan row; returns the model (changed in place).
 
@@ -205,6 +222,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         >>> m.get_layer("head").dtype_policy.name, keras.backend.standardize_dtype(m(keras.ops.ones((1, 2))).dtype)
         ('mixed_float16', 'float32')
     """
+    _refuse_nested(model)
     policy, _ = resolve_policy(policy, warn=warn)
     active = _phase0(policy)
     set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
@@ -250,6 +268,9 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
             _rebuild_hook(layer, model, policy)
     if recast and _backend() == "torch":
         _refresh_torch_params(model)
+    for path, layer in by_path.items():
+        if path:
+            _APPLIED[layer] = (path, type(model).__name__, weakref.ref(model))
     try:
         object.__setattr__(model, "_ampbridge_policy", policy)
         _attach_policy_asset(model)

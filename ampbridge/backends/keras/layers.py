@@ -208,6 +208,21 @@ def _explicit_dtype(layer: Any) -> Any:
     return None if "trainable" in config else config.get("dtype")
 
 
+def _policy_object_given(layer: Any, parent: Any) -> Any:
+    """The dtype of a ``DTypePolicy`` object passed to the layer's constructor, or None.
+
+    Keras records no constructor arguments when one is an object (``_auto_config`` is None), so
+    the object is told by identity: a layer made with ``dtype=None`` holds the global policy of its
+    time, and keras-hub passes ``dtype=self.dtype_policy`` (its parent's object) down.
+    """
+    policy = layer.dtype_policy
+    if getattr(layer, "_auto_config", True) is not None or not isinstance(policy, keras.DTypePolicy):
+        return None
+    if policy is keras.config.dtype_policy() or (parent is not None and policy is parent.dtype_policy):
+        return None
+    return policy.name
+
+
 def _given_dtype(parent: Any) -> Any:
     """The dtype a parent was given, which it passes down to the layers it makes."""
     given = _explicit_dtype(parent)
@@ -221,8 +236,8 @@ def _given_dtype(parent: Any) -> Any:
 def author_dtypes(layer: Any, parent: Any = None) -> tuple[str, str] | None:
     """The (compute, variable) dtypes the model's code fixed for ``layer``, or None.
 
-    Fixed: a float dtype passed by name to the layer's constructor (``Activation("softmax",
-    dtype="float32")``, keras-hub Llama's ``attention_softmax``) that differs from the one its
+    Fixed: a float dtype passed by name or as a ``DTypePolicy`` to the layer's constructor
+    (``Activation("softmax", dtype="float32")``, keras-hub Llama's ``attention_softmax``) that differs from the one its
     ``parent`` was given (a model built with ``dtype=`` passes it to every layer: not a pin), or an
     entry for the layer's path in a ``DTypePolicyMap``. Read once per layer, before ampbridge
     changes its policy.
@@ -245,6 +260,8 @@ def author_dtypes(layer: Any, parent: Any = None) -> tuple[str, str] | None:
             fixed = (policy.compute_dtype, policy.variable_dtype)
     else:
         dtype = _explicit_dtype(layer)
+        if dtype is None:  # a DTypePolicy object (keras.DTypePolicy("float32")) is the author's as a name is
+            dtype = _policy_object_given(layer, parent)
         if isinstance(dtype, str) and (parent is None or dtype != _given_dtype(parent)):
             try:
                 named = keras.DTypePolicy(dtype)

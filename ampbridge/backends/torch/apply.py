@@ -60,6 +60,12 @@ class ModelNotSupportedError(AmpBridgeError, TypeError):
 
 # --- apply -------------------------------------------------------------------------------------
 
+#: every module of an applied model -> (its path there, the applied model's class name); a module
+#: whose own forward ampbridge left alone still belongs to the applied model, and a nested apply's
+#: remove() would be undone by the outer one's
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, str]]" = weakref.WeakKeyDictionary()
+
+
 def _check_model(model: Any) -> None:
     if isinstance(model, torch.jit.ScriptModule):
         raise ModelNotSupportedError(
@@ -77,6 +83,11 @@ def _check_model(model: Any) -> None:
             f"apply() was given a {type(model).__name__}: applied outside it, the ranks would not agree on "
             "skipping an overflowed step and gradients would not reduce in reduce_dtype. Apply to the module "
             "first, then wrap: amp = ampbridge.torch.apply(model, policy); ddp = ampbridge.torch.wrap_ddp(amp)")
+    owner = _APPLIED.get(model)
+    if owner is not None and owner[0]:
+        raise ModelNotSupportedError(
+            f"this module is {owner[0]!r} of an applied {owner[1]}: apply the policy to the whole model (rules "
+            f"by path reach it: match = \"{owner[0]}\"), or call that model's amp.remove() first")
     fwd = _installed(model)
     if fwd is not None:
         raise ModelNotSupportedError(
@@ -140,6 +151,8 @@ class TorchAmp:
         self._resolved = resolved
         self._cast_storage(self._realisation)
         self._install(self._realisation)
+        for path, module in model.named_modules():
+            _APPLIED[module] = (path, type(model).__name__)
         fp16_grads = any(d == torch.float16 for _, d in self._realisation.storage.values())
         self.scaler = GradScaler(resolved.loss_scale, device_type, compute_dtype=resolved.compute_dtype,
                                  allow_fp16_grads=fp16_grads)
@@ -235,6 +248,8 @@ class TorchAmp:
         if self._monitor is not None:
             self._monitor.close()
         self._uninstall()
+        for _, module in self.model.named_modules():
+            _APPLIED.pop(module, None)
         changed = []
         with torch.no_grad():
             for p, _ in self._realisation.storage.values():

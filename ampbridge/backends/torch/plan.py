@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, stream_notes, with_note
+from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, join_notes, stream_notes, with_note
 from ...core.policy import Policy
 from ...errors import AmpBridgeError, UnsupportedOptionError
 from .environment import _LOW, _NAMES, DTYPES, cpu_lstm_runs, cpu_lstm_takes_float32_inputs
@@ -131,6 +131,8 @@ class _Realisation:
     specs: Mapping[str, _Spec]  # path ("" = the root) -> spec
     storage: Mapping[int, tuple[nn.Parameter, torch.dtype]] = field(default_factory=dict)
     input_following: frozenset[str] = frozenset()  # rows whose dtype follows their input
+    promoted: frozenset[str] = frozenset()  # rows whose own code promotes the stream (output not cast)
+    bypassed: frozenset[str] = frozenset()  # rows whose forward their parent never calls (it uses their parameters)
 
 
 def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool = True,
@@ -142,10 +144,14 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
     rules = dict(policy.rules)
     bypassed = _bypassed(model)
     # rows whose output meets their caller's stream of another dtype: the same rule in every backend.
-    # Each such caller emits its own row's dtype (its output is cast), as Keras's and Flax's do
+    # The caller's output is not cast (hand-written autocast casts nothing at a module's boundary):
+    # torch promotes the stream and carries it on, so the caller's output follows the data flow
     streams = stream_notes(policy, lambda path: _code_caller(path, modules))
     stream_of = {row.path: streams(row) for row in raw.rows}
-    stream_callers = {_code_caller(path, modules) for path, said in stream_of.items() if said}
+    widened: dict[str, set[str]] = defaultdict(set)  # caller -> the pinned output dtypes meeting its stream
+    for row in raw.rows:
+        if stream_of[row.path]:
+            widened[_code_caller(row.path, modules) or ""].add(row.output_dtype)
 
     # 1. storage: each parameter in the dtype its module's row asks for (the widest, if shared)
     requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -229,13 +235,18 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
                          and present_as is None and compute != "float32")
         wrap = region_change or cast_inputs or present_as is not None or follow_params or (
-            explicit_output and row.output_dtype != natural_out) or path in stream_callers
+            explicit_output and row.output_dtype != natural_out)
         if is_root:
             wrap = False
             specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
                               DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
         changes: dict[str, Any] = {}
-        notes_here = [n for n in (stream, note) if n]
+        notes_here = [n for n in (stream and stream + _TORCH_STREAM.format(caller=_code_caller(path, modules) or "the model"),
+                                  note) if n]
+        if path in widened and not is_root:  # its own code promotes the stream; its output is not cast
+            wider = _widest(widened[path] | {compute})
+            notes_here.append(_CALLER_NOTE.format(dtype=wider))
+            natural_out, follows = wider, True
         if row.rule == BY_MODEL and path in kept:
             notes_here.insert(0, kept[path].declared)
         stored = {_NAMES[d] for d in own_stored}
@@ -248,19 +259,23 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
             else:
                 notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
         if wrap:
+            # the output is cast only where a rule asks for an output dtype: a pinned module emits what
+            # it computes, as under autocast(enabled=False) by hand
             specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
                                 DTYPES[compute] if cast_inputs else None,
-                                None if follows else DTYPES[row.output_dtype], present_as,
+                                DTYPES[row.output_dtype] if explicit_output and not follows else None, present_as,
                                 params_follow_input=follow_params)
             if natural != compute and behaviour != "region":
                 changes["compute_dtype"] = natural
+            if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
+                changes["output_dtype"] = natural_out
             if follows:
                 input_following.add(path)
             wrapped_output[path] = row.output_dtype
         else:
             if natural != compute and behaviour != "region":
                 changes["compute_dtype"] = natural
-            if natural_out != row.output_dtype and not explicit_output and behaviour != "region":
+            if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
                 changes["output_dtype"] = natural_out
             if follows:
                 input_following.add(path)
@@ -270,6 +285,7 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                 notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
         final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
 
+    final = _sequential_outputs(final, modules, rules, input_following)
     plan_notes = list(notes) + kept_notes
     if policy.matmul_precision != "highest":
         plan_notes.append(f"matmul_precision {policy.matmul_precision}: torch.set_float32_matmul_precision"
@@ -281,7 +297,37 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                           "leaves the ops alone, a custom module's own ops); "
                           "ampbridge.torch.plan(model, policy, *example_inputs) traces the exact dtypes")
     out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
-    return _Realisation(out, policy, specs, storage, frozenset(input_following))
+    return _Realisation(out, policy, specs, storage, frozenset(input_following),
+                        frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
+
+
+def _sequential_outputs(rows: list[PlanRow], modules: Mapping[str, nn.Module], rules: Mapping[str, Any],
+                        following: set[str]) -> list[PlanRow]:
+    """An ``nn.Sequential`` returns what its last module returns (nothing casts it, as with autocast
+    by hand, unless its rule sets ``output_dtype``): its row's output is its last child's."""
+    by_path = {row.path: i for i, row in enumerate(rows)}
+    for i in range(len(rows) - 1, -1, -1):  # children come after their parent: fill them first
+        row, module = rows[i], modules[rows[i].path]
+        rule = rules.get(row.rule)
+        if not isinstance(module, nn.Sequential) or len(module) == 0 or (rule is not None and rule.output_dtype):
+            continue
+        last = f"{row.path}.{list(module._modules)[-1]}" if row.path else list(module._modules)[-1]
+        if last not in by_path or row.path == "":
+            continue
+        out = rows[by_path[last]].output_dtype
+        if last in following:
+            following.add(row.path)
+        if out != row.output_dtype:
+            rows[i] = with_note(row, join_notes(row.note, f"returns its last module's output ({out})"),
+                                output_dtype=out)
+    return rows
+
+
+#: added to the shared stream note on a torch row: what torch does with the promoted stream
+_TORCH_STREAM = ("; in torch {caller} returns the promoted stream uncast, as hand-written autocast does (Keras "
+                 "casts each layer's inputs to its own dtype instead)")
+_CALLER_NOTE = ("output follows the data flow: a pinned module's output promotes this module's stream ({dtype} "
+                "where it reaches the output) and nothing casts it back, as with autocast by hand")
 
 
 def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, present_as: torch.dtype | None,

@@ -97,8 +97,7 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
     for row in amp.plan.rows:
         path = row.path
         if path not in ran:
-            rows.append(row if row.note and "used by" in row.note else
-                        not_run(row))
+            rows.append(row if path in amp._realisation.bypassed else not_run(row))  # its parent uses it
             continue
         if path not in acted:  # an eval-mode Dropout returns its input: nothing was observed
             rows.append(with_note(row, join_notes(row.note, NO_OP)))

@@ -65,12 +65,30 @@ def _trajectory_table(runs: dict[str, Any], steps: int) -> str:
     return render_table(("step", *[f"scale ({n})" for n in names]), rows)
 
 
-def _side_by_side(plans: dict[str, Plan]) -> str:
+def semantic_differences(first: Plan, other: Plan, promoted: frozenset[str]) -> tuple[list[str], list[str]]:
+    """(differences, rows that differ only by the frameworks' own semantics): the output dtype of a
+    torch row in ``promoted`` (its own code carries a promoted stream on, where Keras and Flax cast
+    the next layer's inputs), said in that row's note."""
+    rest, allowed = [], []
+    for line in first.differences(other):
+        path = line.split(": ", 1)[0]
+        if path in promoted and line.startswith(f"{path}: output_dtype "):
+            allowed.append(path)
+        else:
+            rest.append(line)
+    return rest, allowed
+
+
+def _side_by_side(plans: dict[str, Plan], promoted: frozenset[str] = frozenset()) -> str:
     names = list(plans)
     first = plans[names[0]]
-    if all(not first.differences(plans[n]) for n in names[1:]):
+    compared = [semantic_differences(first, plans[n], promoted) for n in names[1:]]
+    if all(not rest for rest, _ in compared):
         table = first.table().replace(f"Plan ({first.framework}):", "Plan:", 1)  # one Plan, not torch's
-        return f"Plan (identical in {', '.join(names)}):\n" + table
+        streams = sorted({p for _, allowed in compared for p in allowed})
+        but = (f" but the output of {', '.join(p or '(root)' for p in streams)}: {first.framework} carries the "
+               f"promoted stream on (its row), {', '.join(names[1:])} cast the next layer's inputs") if streams else ""
+        return f"Plan (identical in {', '.join(names)}{but}):\n" + table
     paths = list(dict.fromkeys(r.path for p in plans.values() for r in p.rows))
     rows = []
     for path in paths:
@@ -155,7 +173,7 @@ def run_demo(args: argparse.Namespace) -> int:
             runs[fw] = RUNNERS[fw](policy, args.steps, inject, progress=_Bar(fw, args.steps))
 
     print()
-    print(_side_by_side({fw: r.plan for fw, r in runs.items()}))
+    print(_side_by_side({fw: r.plan for fw, r in runs.items()}, runs["torch"].promoted if "torch" in runs else frozenset()))
     print()
     print("== loss scale (the steps where something happens)")
     print(_trajectory_table(runs, args.steps))

@@ -37,6 +37,7 @@ class Run:
     step_seconds: list[float] = field(default_factory=list)
     final_state: LossScaleState | None = None
     phases: list[int | None] = field(default_factory=list)  # the phase in force at each step
+    promoted: frozenset[str] = frozenset()  # torch rows whose own code carries a promoted stream on
 
     @property
     def final_loss(self) -> float:
@@ -99,6 +100,7 @@ def run_torch(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
     if not native:
         run.final_state = amp.scaler.loss_scale_state()
         run.plan = amp.plan if not policy.phases else run.plan
+        run.promoted = amp._realisation.promoted if not policy.phases else frozenset()
     return run
 
 
