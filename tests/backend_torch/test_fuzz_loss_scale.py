@@ -240,3 +240,90 @@ def test_accumulation_equals_native_gradscaler(data, leaves, settings, opt_name,
     the hand-written loop (``scaler.scale(loss / N).backward()`` N times, then step) does."""
     steps = data.draw(bad_steps(leaves, micro=accumulate, max_steps=5), label="steps")
     _run_pair(leaves, steps, settings, opt_name, impl, seed, accumulate=accumulate)
+
+
+# --- a distributed step: two gloo ranks, a non-finite gradient on any rank ---------------------------
+
+DDP_SHAPES = [(), (1,), (0,), (3,), (2, 2)]
+
+
+@st.composite
+def ddp_cases(draw):
+    """One DDP case: float32 parameters, per step and rank the g of ``sum(p * g)``, with a non-finite
+    entry in any rank's leaf or none (DDP averages the ranks' gradients: it reaches every rank)."""
+    shapes = draw(st.lists(st.sampled_from(DDP_SHAPES), min_size=1, max_size=4))
+    rng = np.random.RandomState(draw(st.integers(0, 2**16)))
+    values = [(rng.randint(-8, 9, size=math.prod(s)) / 8.0).reshape(s).tolist() for s in shapes]
+    steps = []
+    for _ in range(draw(st.integers(1, 5))):
+        grads = [[(rng.randint(-16, 17, size=math.prod(s)) / 16.0) for s in shapes] for _ in range(2)]
+        bad = draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, len(shapes) - 1),
+                                                  st.integers(0, 5), st.sampled_from(BAD[:3]))))
+        if bad is not None and grads[bad[0]][bad[1]].size:
+            rank, leaf, pos, value = bad
+            grads[rank][leaf][pos % grads[rank][leaf].size] = value
+        elif bad is not None:
+            bad = None  # a size-0 leaf holds nothing
+        steps.append({"grads": [[g.reshape(s).tolist() for g, s in zip(r, shapes)] for r in grads], "bad": bad})
+    return {"values": values, "steps": steps, "settings": draw(scale_settings()),
+            "impl": draw(st.sampled_from([{"foreach": True}, {"foreach": False}]))}
+
+
+def _drawn(strategy, count):
+    """``count`` examples of ``strategy``, drawn by hypothesis under fuzz_settings (the same ones every
+    ``make test``): the ranks run them all in one launch, so there is no shrinking; a failure names its case."""
+    cases = []
+
+    @fuzz_settings(count, 25 * count, phases=[hypothesis.Phase.generate])
+    @given(strategy)
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    return cases
+
+
+@pytest.mark.slow
+def test_ddp_step_equals_native_ddp_gradscaler(tmp_path):
+    """wrap_ddp + amp.step against DistributedDataParallel + torch.amp.GradScaler on 2 gloo ranks:
+    the skip decision, scale, growth tracker and parameters after every step, on every rank."""
+    import importlib.util
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    workers = Path(__file__).with_name("distributed_workers.py")
+    cases = _drawn(ddp_cases(), 6)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(workers), "fuzz_ddp", str(tmp_path), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"fuzz_ddp ran past 300 s: {output[-3000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for n, case in enumerate(cases):
+        for r in range(2):
+            ours, native = ranks[r][n]["ours"], ranks[r][n]["native"]
+            for k, (a, b) in enumerate(zip(ours, native)):
+                where = f"case {n} rank {r} step {k}: {case['steps'][k]['bad']} {case['settings']} {case['impl']}"
+                assert a == b, where
+                bad = case["steps"][k]["bad"]
+                if bad is not None:
+                    assert not a["applied"], where
+        assert ranks[0][n]["ours"] == ranks[1][n]["ours"], f"case {n}: the ranks differ"
+    assert any(s["bad"] is not None for c in cases for s in c["steps"])  # the draw placed overflows
