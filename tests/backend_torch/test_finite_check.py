@@ -68,3 +68,31 @@ def test_every_nonempty_leaf_position_skips(impl, dtype):
                 assert all(torch.equal(a, b) for a, b in
                            zip([t for p in params for t in opt.state[p].values()], state)), where
                 assert all(bool(torch.isfinite(p).all()) for p in params), where
+
+
+def test_monitor_without_a_scaler_flag_finds_only_non_finite_gradients(tmp_path):
+    """Mode none without skipping (the scaler checks nothing): the monitor's own check. inf or NaN in
+    any leaf is found; large finite gradients are not, even in a float32 accumulator (mps's: the
+    check summed the extremes there, which overflowed to inf on two gradients of 2e38)."""
+    from ampbridge.diagnostics.runlog import read_log
+
+    shapes = [(3,), (), (0,), (2, 2)]
+    model = Leaves(shapes)
+    amp = at.apply(model, Policy(loss_scale=LossScaleConfig(mode="none", skip_nonfinite=False)), device_type="cpu")
+    assert not amp.scaler._enabled
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.0)
+    cases = [None, (0, math.inf), (1, math.nan), (3, -math.inf), "large", None]
+    with amp.monitor(tmp_path / "run.jsonl", every=1, attribution=False) as monitor:
+        monitor._acc = torch.float32  # the accumulator mps uses (no float64 there)
+        for case in cases:
+            g = [torch.full(s, 0.25) for s in shapes]
+            if case == "large":
+                g = [torch.full(s, 2.0e38) for s in shapes]
+            elif case is not None:
+                g[case[0]].view(-1)[-1] = case[1]
+            amp.step(sum((p * x).sum() for p, x in zip(params, g)), opt)
+            opt.zero_grad()
+    records = [r for r in read_log(tmp_path / "run.jsonl").steps]
+    found = {r["step"]: r["found_inf"] for r in records}
+    assert found == {n: case not in (None, "large") for n, case in enumerate(cases)}
