@@ -58,7 +58,10 @@ def bad_steps(draw, leaves, max_steps=8):
     return draw(st.lists(spot, min_size=1, max_size=max_steps))
 
 
-scales = st.one_of(st.sampled_from([1.0, 2.0**15, 2.0**100]), st.floats(2.0**-10, 2.0**100, width=32))
+# from 1: a scale below 1 unscales a finite float16 gradient past float16's range (the check reads the
+# scaled gradients; Keras's own optimizer applies the inf too): found by make fuzz with 2**-10, reported.
+# Eight halvings from 1 leave 2**-8, where these gradients (|g| <= 64) still unscale within range.
+scales = st.one_of(st.sampled_from([1.0, 2.0**15, 2.0**100]), st.floats(1.0, 2.0**100, width=32))
 
 
 def _grads(leaves, spot, rng):
