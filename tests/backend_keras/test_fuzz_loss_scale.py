@@ -167,7 +167,7 @@ def test_step_equals_native_loss_scale_optimizer(data, leaves, initial_scale, in
     _run_pair(leaves, steps, initial_scale, interval, inner, path, seed)
 
 
-@fuzz_settings(60, 3000)
+@fuzz_settings(60, 1500)
 @given(leaves=leaves_st, data=st.data())
 def test_all_finite_equals_keras_check_finite(leaves, data):
     """The one finite check (optimizer and monitor), eager and traced, says what the case holds, as
