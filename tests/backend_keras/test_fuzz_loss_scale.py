@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 
 from ampbridge._testing import fuzz_settings, require
 

@@ -19,7 +19,7 @@ from ampbridge._testing import require
 torch = require("torch")
 
 import ampbridge.torch as at  # noqa: E402
-from ampbridge import LossScaleConfig, Policy, Rule  # noqa: E402
+from ampbridge import LossScaleConfig, Policy  # noqa: E402
 
 SHAPES = [(), (1,), (0,), (3,), (2, 2)]
 ORDERS = list(itertools.permutations(SHAPES))[::7]

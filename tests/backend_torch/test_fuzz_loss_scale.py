@@ -26,7 +26,7 @@ from ampbridge._testing import fuzz_settings, require
 torch = require("torch")
 hypothesis = require("hypothesis")
 
-from hypothesis import example, given  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -290,7 +290,6 @@ def _drawn(strategy, count):
 def test_ddp_step_equals_native_ddp_gradscaler(tmp_path):
     """wrap_ddp + amp.step against DistributedDataParallel + torch.amp.GradScaler on 2 gloo ranks:
     the skip decision, scale, growth tracker and parameters after every step, on every rank."""
-    import importlib.util
     import json
     import os
     import signal
