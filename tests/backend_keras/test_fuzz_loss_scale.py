@@ -145,8 +145,10 @@ def _run_pair(leaves, steps, initial_scale, interval, inner, path, seed):
         for i, (a, b) in enumerate(zip(ours_vars, native_vars)):
             va, vb = ours.read(a), native.read(b)
             assert _bits(va) == _bits(vb), f"{where}: variable l{i}"
-            assert bool(np.all(np.isfinite(np.asarray(ops.convert_to_numpy(ops.cast(va, "float32")))))), (
-                f"{where}: variable l{i} went non-finite")
+            # float16 variables may overflow in the inner optimizer's own float16 arithmetic (Adam's
+            # g*g past 65504 once a scale below 1 unscales g upwards), natively too
+            assert leaves[i][1] == "float16" or bool(np.all(np.isfinite(np.asarray(ops.convert_to_numpy(
+                ops.cast(va, "float32")))))), f"{where}: variable l{i} went non-finite"
         inner_ours, inner_native = o.inner_optimizer.variables, k.inner_optimizer.variables
         assert len(inner_ours) == len(inner_native)
         for i, (a, b) in enumerate(zip(inner_ours, inner_native)):
