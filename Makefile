@@ -8,7 +8,7 @@ CORE313_VENV := .venv-core313
 PYTHON313 ?= $(shell python3.13 -c 'import sys; print(sys.executable)' 2>/dev/null || ls -d $$(pyenv root 2>/dev/null)/versions/3.13*/bin/python3.13 2>/dev/null | tail -1)
 PIP := -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test test-core test-all test-min test-core-313 bench clean
+.PHONY: demo test test-core test-all test-min test-core-313 fuzz bench clean
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	rm -rf $(VENV)
@@ -55,6 +55,17 @@ test-all: $(VENV)/.stamp
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q tests/backend_keras
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q tests/backend_keras
+
+# the differential fuzzers (every tests/**/test_fuzz*.py) with many more, fresh examples than make test's
+# seeded few (AMPBRIDGE_FUZZ=1: ampbridge._testing.fuzz_settings); the Keras ones under each Keras backend
+FUZZ_FILES = $(shell find tests -name 'test_fuzz*.py' | sort)
+fuzz: $(VENV)/.stamp
+	@TIMEFORMAT='make fuzz: %0R s wall, %0U s user + %0S s system CPU'; time ( set -e; \
+	AMPBRIDGE_FUZZ=1 AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q $(FUZZ_FILES); \
+	for backend in jax torch; do \
+		AMPBRIDGE_FUZZ=1 AMPBRIDGE_REQUIRE=all KERAS_BACKEND=$$backend $(VENV)/bin/python -m pytest -q \
+			$(filter tests/backend_keras/%,$(FUZZ_FILES)); \
+	done )
 
 # the floors: the Keras suite on each Keras backend and the JAX suite at constraints-min.txt (the
 # torch floor is the newest pin, so the torch suite runs once, in test-all). .ci/run calls it after test.

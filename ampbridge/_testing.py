@@ -160,3 +160,35 @@ def deepspeed_fp16() -> bool:
     from deepspeed.accelerator import get_accelerator
 
     return bool(get_accelerator().is_fp16_supported())
+
+
+# --- the differential fuzzers' example counts (tests/**/test_fuzz*.py; `make fuzz` sets AMPBRIDGE_FUZZ=1) ---
+
+def fuzzing() -> bool:
+    """Whether this run is a fuzzing run (``AMPBRIDGE_FUZZ`` set to anything but ``""`` or ``0``)."""
+    return os.environ.get("AMPBRIDGE_FUZZ", "") not in ("", "0")
+
+
+def fuzz_settings(default: int, fuzz: int, **overrides: object) -> object:
+    """hypothesis ``settings`` for a differential property: ``default`` examples, the same ones every
+    run (``derandomize``, no example database), in ``make test``; ``fuzz`` fresh random examples,
+    failures kept in hypothesis's database, under ``AMPBRIDGE_FUZZ=1`` (``make fuzz``). No deadline:
+    the first example of a property pays for tracing and compiling.
+
+    Example (with hypothesis installed)::
+
+        @fuzz_settings(20, 2000)
+        @given(st.integers())
+        def test_something(n): ...
+    """
+    from hypothesis import HealthCheck, settings
+
+    deep = fuzzing()
+    options: dict = {"max_examples": fuzz if deep else default, "derandomize": not deep, "deadline": None,
+                     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large,
+                                               HealthCheck.filter_too_much],
+                     "print_blob": True}
+    if not deep:
+        options["database"] = None
+    options.update(overrides)
+    return settings(**options)

@@ -2,7 +2,8 @@
 SCENARIO OUT_DIR PORT`` starts 2 ranks (torch.multiprocessing spawn, gloo on 127.0.0.1) that each
 write ``OUT_DIR/rank<r>.pt``; the tests read those files and assert.
 
-Scenarios: ``ddp`` (wrap_ddp: reduce_dtype, overflow on one rank), ``fsdp2`` (fully_shard with the
+Scenarios: ``ddp`` (wrap_ddp: reduce_dtype, overflow on one rank), ``fuzz_ddp`` (the DDP cases
+test_fuzz_loss_scale.py drew, ampbridge and the native loop side by side), ``fsdp2`` (fully_shard with the
 Plan per group, overflow on one shard, DCP checkpoint and resume), ``deepspeed2`` (ZeRO 2, overflow on
 one rank); one process: ``deepspeed``, ``deepspeed_global`` (deepspeed2's global batch, the reference).
 """
@@ -515,6 +516,68 @@ def deepspeed_global(port: int, out: str) -> None:
     """The same run in one process on the whole global batch: the reference for deepspeed2."""
     _ds_env(0, 1, port)
     torch.save(_deepspeed_train(None), os.path.join(out, "ds_global.pt"))
+
+
+class _Dot(nn.Module):
+    """Parameters whose loss is ``sum(p * g)``: the gradients are the g given to the forward."""
+
+    def __init__(self, values: list) -> None:
+        super().__init__()
+        for i, value in enumerate(values):
+            self.register_parameter(f"p{i}", nn.Parameter(torch.tensor(value, dtype=torch.float32)))
+
+    def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.parameters(), grads))
+
+
+def fuzz_ddp(rank: int, port: int, out: str) -> None:
+    """The DDP cases test_fuzz_loss_scale.py drew (``OUT/cases.json``), each run twice on this rank:
+    ampbridge (apply, wrap_ddp, amp.step) and the native loop (DDP, torch.amp.GradScaler). Saves per
+    case and step: applied, scale, growth tracker, and the parameters' bit patterns, for both."""
+    import json
+
+    import ampbridge
+    import ampbridge.torch as abt
+    from torch.nn.parallel import DistributedDataParallel
+
+    _init(rank, port)
+    with open(os.path.join(out, "cases.json")) as f:
+        cases = json.load(f)
+    results = []
+    for case in cases:
+        ls = case["settings"]
+        policy = ampbridge.Policy(compute_dtype="float16", loss_scale=ampbridge.LossScaleConfig(mode="dynamic", **ls))
+        runs = {}
+        for side in ("ours", "native"):
+            model = _Dot(case["values"])
+            params = list(model.parameters())
+            opt = torch.optim.SGD(params, lr=0.25, momentum=0.5, **case["impl"])
+            if side == "ours":
+                amp = abt.apply(model, policy, device_type="cpu")
+                ddp = abt.wrap_ddp(amp)
+            else:
+                ddp = DistributedDataParallel(model)
+                scaler = torch.amp.GradScaler("cpu", init_scale=ls["initial_scale"], growth_factor=ls["growth_factor"],
+                                              backoff_factor=ls["backoff_factor"], growth_interval=ls["growth_interval"])
+            rows = []
+            for step in case["steps"]:
+                grads = [torch.tensor(g, dtype=torch.float32) for g in step["grads"][rank]]
+                loss = ddp(grads)
+                if side == "ours":
+                    applied = bool(amp.step(loss, opt))
+                    scale, tracker = amp.scaler._scale, amp.scaler._growth_tracker
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    applied = not sum(f.item() for f in scaler._found_inf_per_device(opt).values())
+                    scaler.update()
+                    scale, tracker = scaler._scale, scaler._growth_tracker
+                opt.zero_grad()
+                rows.append({"applied": applied, "scale": scale.view(torch.int32).item(), "tracker": tracker.item(),
+                             "params": [p.detach().reshape(-1).view(torch.int32).tolist() for p in params]})
+            runs[side] = rows
+        results.append(runs)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
 def _main(rank: int, scenario: str, port: int, out: str) -> None:

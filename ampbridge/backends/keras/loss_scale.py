@@ -24,7 +24,7 @@ from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
 from ..private_hooks import tested_range
 from .distributed import agreed_finite, tf_apply
 from .environment import _backend, _phase0, resolve_policy
-from .numerics import _HEAD_SIZE, _ROW_SIZE, _all, _grad_stats, _host, _MonitorSpec, _split_count
+from .numerics import _HEAD_SIZE, _ROW_SIZE, _grad_stats, _host, _MonitorSpec, _split_count, all_finite, finite_flags
 
 # --- the loss-scaling optimizer ---------------------------------------------------------------
 
@@ -325,7 +325,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _common_apply(self, grads: Any, trainable_variables: Any = None) -> None:
         flags = self._finite_flags(grads) if self._monitor is not None else None
-        finite = agreed_finite(self.check_finite(grads) if flags is None else _all(flags))
+        finite = agreed_finite(all_finite(grads, flags))
         self._guard_traced(finite)
         own = self._own_values()
         if flags is not None:
@@ -384,7 +384,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads = list(grads)
         eager = bool(grads) and _concrete(grads[0])
         before = int(_host(self.inner_optimizer.iterations)) if eager else None
-        finite = bool(_host(self.check_finite(grads))) if eager else None
+        finite = bool(_host(all_finite(grads))) if eager else None
         self._step_verified, self._handed = True, None
         try:
             self.apply(grads, trainable_variables)
@@ -420,7 +420,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         own, inner = list(optimizer_variables[:n]), list(optimizer_variables[n:])
         where = [next(i for i, v in enumerate(self._variables) if v is s) for s in self._state_variables]
         flags = self._finite_flags(grads) if self._monitor is not None else None
-        finite = self.check_finite(grads) if flags is None else _all(flags)
+        finite = all_finite(grads, flags)
         if self._finite_out is not None:
             self._finite_out.append(finite)
         if not _host_checks_after:
@@ -544,7 +544,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     v.assign(int(data["state"][name]))
 
     def _finite_flags(self, grads: list[Any]) -> list[Any]:
-        return [ops.all(ops.isfinite(g)) if g is not None else None for g in grads]
+        return finite_flags(grads)
+
+    def check_finite(self, grads: Any) -> Any:
+        """Whether every gradient is finite: the backend's one check (``numerics.all_finite``), which
+        the monitor uses too; Keras's ``_tf_apply`` and ``stateless_apply`` call this hook."""
+        return all_finite(list(grads))
 
     def _monitor_layout(self, variables: list[Any]) -> Any:
         """Per layer the positions of its gradients in ``grads``; per position its leaf index."""

@@ -21,7 +21,7 @@ from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refr
 from .environment import _backend, _phase0
 from .layers import _children, layers
 from .loss_scale import LossScaleOptimizer, _model_of, _replicas
-from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec
+from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec, all_finite
 from .plan import plan
 from .sampling import _FitDispatch
 
@@ -75,15 +75,7 @@ def _mark_first(slot: _Slot, bad: Any, index: int) -> None:
 
 
 def _any_nonfinite(tensors: list[Any]) -> Any:
-    if _backend() == "torch":
-        import torch
-
-        with torch.no_grad():
-            finite = torch.isfinite(tensors[0]).all()
-            for t in tensors[1:]:
-                finite = finite & torch.isfinite(t).all()
-            return ~finite
-    return ops.logical_not(ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors])))
+    return ops.logical_not(all_finite(tensors))
 
 
 def _input_probe(t: Any, slot: _Slot, index: int) -> Any:

@@ -1,8 +1,8 @@
 """The numerics kernels the monitor's record is made of, in ``keras.ops`` inside the train step
 (the statistics of a layer's scaled gradients, counts as exact float32 pairs) and read on the host.
 
-Names: ``_grad_stats``, ``_all``, ``_split_count``, ``_host``, ``_fetch``, ``_MonitorSpec``, and the
-record's layout (``_HEAD_SIZE``, ``_ROW_SIZE``, ``_SPLIT``).
+Names: ``all_finite`` and ``finite_flags`` (the backend's one finite check), ``_grad_stats``, ``_all``,
+``_split_count``, ``_host``, ``_fetch``, ``_MonitorSpec``, and the record's layout (``_HEAD_SIZE``, ``_ROW_SIZE``, ``_SPLIT``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,32 @@ _ROW_SIZE = 12  # max|g|, rms(g) (scaled, finite values), then (hi, lo) counts: 
 _SPLIT = 4096  # counts travel as float32 pairs (hi * 4096 + lo): exact up to 2**36
 
 
+def finite_flags(tensors: list[Any]) -> list[Any]:
+    """Per tensor, whether every element is finite (None for a None gradient): each leaf reduced on
+    its own, whatever its shape (a scalar, size 1, size 0: all finite) or dtype."""
+    return [ops.all(ops.isfinite(t)) if t is not None else None for t in tensors]
+
+
 def _all(flags: list[Any]) -> Any:
     present = [f for f in flags if f is not None]
     return ops.all(ops.stack(present)) if present else ops.convert_to_tensor(True)
+
+
+def all_finite(tensors: list[Any], flags: list[Any] | None = None) -> Any:
+    """The backend's one "all finite" check (a boolean scalar tensor): the loss-scaling optimizer's
+    skip decision, the monitor's non-finite marks and Keras's ``check_finite`` hook all call it.
+    ``flags``: :func:`finite_flags` of ``tensors``, when the caller already has them."""
+    if flags is None and _backend() == "torch":  # eager: one in-place chain instead of Keras dispatches
+        import torch
+
+        with torch.no_grad():
+            finite = None
+            for t in tensors:
+                if t is not None:
+                    leaf = torch.isfinite(t).all()
+                    finite = leaf if finite is None else finite & leaf
+            return torch.tensor(True) if finite is None else finite
+    return _all(finite_flags(tensors) if flags is None else flags)
 
 
 def _split_count(count: Any) -> tuple[Any, Any]:

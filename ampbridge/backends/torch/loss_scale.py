@@ -183,7 +183,27 @@ class GradScaler(torch.amp.GradScaler):
                 and getattr(optimizer, "_step_supports_amp_scaling", False)
                 and "grad_scaler" not in inspect.signature(optimizer.step).parameters):
             return self._fused_step_applying_all(optimizer, *args, **kwargs)
+        if self._enabled and self.config.skip_nonfinite and _fused_sgd_unbuffered(optimizer):
+            return self._fused_first_step(optimizer, *args, **kwargs)
         return super().step(optimizer, *args, **kwargs)
+
+    def _fused_first_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """A fused SGD's step before it has momentum buffers: skipped here on an overflow (one read
+        of found_inf) instead of in its kernel, which makes the buffers with ``empty_like``, skips
+        the update, and leaves them uninitialised for the next step to read (torch 2.13's
+        ``_fused_sgd``; the ordinary loop never calls ``step`` on an overflow). Finite: torch's
+        fused path, as always."""
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        flags = list(state["found_inf_per_device"].values())
+        overflow = any(bool(f.item() > 0) for f in flags)
+        if not overflow:
+            return super().step(optimizer, *args, **kwargs)
+        self._found_read[id(optimizer)] = True
+        state["stage"] = OptState.STEPPED
+        return None
 
     def _verified_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """The first ``step``, checked once (issue 22): a finite step must run ``optimizer.step``
@@ -428,6 +448,16 @@ class GradScaler(torch.amp.GradScaler):
         self._configure(new)
         self._warned = False
         self.load_loss_scale_state(state)
+
+
+def _fused_sgd_unbuffered(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is torch's fused SGD with momentum and no momentum buffer yet (its next
+    step is the one whose kernel takes the buffers' "first step" branch)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    return any(group.get("fused") and group["momentum"] != 0
+               and all("momentum_buffer" not in optimizer.state.get(p, ()) for p in group["params"])
+               for group in optimizer.param_groups)
 
 
 class StepResult:

@@ -102,7 +102,6 @@ class _Pending(NamedTuple):
 
     step: int
     skip: bool
-    found_by_norms: bool  # values[0] is the sum of gradient maxima (no scaler flag): found if non-finite
     values: torch.Tensor  # found, loss, scale, then the attribution maxima (forward, backward, parameters)
     fwd_who: list[int]
     bwd_who: list[int]
@@ -525,12 +524,12 @@ class Monitor:
                     _extremes(g, values, who, i)
                 norms = torch.stack(values).to(acc)
                 param_who = [i for i in who if i >= 0]
-        # found: the scaler's flag (> 0), or without one the sum of all gradient maxima (non-finite)
+        # found: the scaler's flag (> 0), or without one whether any gradient's extreme is non-finite
+        # (nan and inf propagate into min/max; a sum of the extremes would overflow float32, mps's
+        # accumulator, on large finite gradients)
         if found is None:
-            found = norms.sum() if norms is not None else torch.zeros((), dtype=acc, device=device)
-            by_norms = True
-        else:
-            by_norms = False
+            found = ((~torch.isfinite(norms)).any() if norms is not None
+                     else torch.zeros((), dtype=torch.bool, device=device))
         parts = [torch.stack([found.to(device, acc).reshape(()),
                               loss.to(device, acc).reshape(()) if loss is not None else
                               torch.full((), math.nan, dtype=acc, device=device),
@@ -549,7 +548,7 @@ class Monitor:
                 assert norms is not None
                 parts.append(norms[:len(param_who)])  # the candidates' own parameters come first
         values = torch.cat(parts)
-        entry = _Pending(step, skip, by_norms, values, fwd_who, bwd_who, param_who)
+        entry = _Pending(step, skip, values, fwd_who, bwd_who, param_who)
         if known is None and stats is None and len(self._pending) < _PENDING_LIMIT:
             if self._pending:  # a static graph calls the same modules each step: keep one list
                 last = self._pending[-1]
@@ -574,7 +573,7 @@ class Monitor:
             if e is now and known is not None:
                 found = known
             else:
-                found = not math.isfinite(values[0]) if e.found_by_norms else values[0] > 0
+                found = values[0] > 0
             layers = self._decode_stats(host[offset:], stats[1]) if e is now and stats is not None else None
             if not found and layers is None:
                 continue  # a finite step that only waited to be read
