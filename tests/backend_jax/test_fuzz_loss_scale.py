@@ -20,11 +20,8 @@ many more. The examples kept with ``@example`` are the ones that found bugs.
 
 from __future__ import annotations
 
-import os
 
-import pytest
-
-from ampbridge._testing import require
+from ampbridge._testing import fuzz_settings, require
 
 jax = require("jax")
 jmp = require("jmp")
@@ -32,15 +29,13 @@ optax = require("optax")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge import LossScaleConfig, Policy  # noqa: E402
 
-FUZZ = os.environ.get("AMPBRIDGE_FUZZ") == "1"
-SETTINGS = settings(max_examples=400 if FUZZ else 12, derandomize=not FUZZ, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = fuzz_settings(12, 400)
 
 SHAPES = [(), (1,), (0,), (3,), (2, 2), (1, 1), (5, 7), (0, 3), (257,)]
 DTYPES = ["float32", "float32", "float16", "bfloat16"]
