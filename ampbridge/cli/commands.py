@@ -353,9 +353,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
             text = _io.dumps(result, fmt)
     else:
         if isinstance(result, LossScaleConfig):
-            if target not in ("grad-scaler", "flax"):
+            if target not in ("grad-scaler", "flax", "optax"):
                 raise UsageError(f"{src.source_format} settings hold only a loss scale; --to {target} needs a whole "
-                                 "policy (convert to ampbridge, grad-scaler or flax)")
+                                 "policy (convert to ampbridge, grad-scaler, flax or optax)")
         options: dict[str, Any] = {}
         if target == "deepspeed":
             options = {"via": args.deepspeed_via, "version": _ds_version(args)}

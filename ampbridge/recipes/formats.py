@@ -18,15 +18,17 @@ from .accelerate import from_accelerate, to_accelerate
 from .convert import POLICY_FIELDS, Conversion, _parse_recipe, _read_file
 from .deepspeed import from_deepspeed, to_deepspeed
 from .flax import from_flax, to_flax
+from .optax import from_optax, to_optax
 from .fsdp import to_fsdp
 from .grad_scaler import from_grad_scaler, to_grad_scaler
 from .jmp import _JMP_NAMES, from_jmp, to_jmp
 from .keras import _KERAS, from_keras, to_keras
 from .lightning import _LIGHTNING_ALIASES, _LIGHTNING_ALL, from_lightning, to_lightning
 
-READ_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "jmp", "grad-scaler", "flax")
+READ_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "jmp", "grad-scaler", "flax",
+                "optax")
 WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "jmp", "grad-scaler", "flax",
-                 "fsdp")
+                 "optax", "fsdp")
 
 
 # --- reading files and text; detecting the format -------------------------------------------------
@@ -35,11 +37,11 @@ _READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "ampbridge": (), "deepspeed": ("auto", "version", "release"),
     "accelerate": ("grad_scaler_kwargs", "base_dir", "version", "release", "device", "accelerate_version"),
     "lightning": ("grad_scaler", "device", "api", "lightning_version"), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
-    "flax": (),
+    "flax": (), "optax": (),
 }
 _WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
     "ampbridge": (), "deepspeed": ("via", "version", "release", "stage"), "accelerate": (), "lightning": ("lightning_version",), "keras": (), "jmp": (),
-    "grad-scaler": (), "flax": (), "fsdp": ("plan",),
+    "grad-scaler": (), "flax": (), "optax": (), "fsdp": ("plan",),
 }
 _DS_MARKERS = {"fp16", "bf16", "bfloat16", "zero_optimization", "torch_autocast", "amp", "train_batch_size",
                "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "communication_data_type",
@@ -76,6 +78,8 @@ def _candidates(data: Any) -> list[str]:
         found.append("grad-scaler")
     if keys & {"fin_steps", "minimum_scale"}:
         found.append("flax")
+    if keys & {"max_consecutive_errors", "notfinite_count"}:
+        found.append("optax")
     if keys and keys <= _SHARED_SCALER and "grad-scaler" not in found and "flax" not in found:
         found += ["grad-scaler", "flax"]
     if keys & {"dynamic_growth_steps", "inner_optimizer"}:
@@ -158,6 +162,8 @@ def read(data: Any, format: str, **options: Any) -> Conversion:
         return from_jmp(data, **options)
     if format == "grad-scaler":
         return from_grad_scaler(data)
+    if format == "optax":
+        return from_optax(data)
     return from_flax(data)
 
 
@@ -172,7 +178,8 @@ def write(policy: Policy, format: str, **options: Any) -> Conversion:
     _check_options(format, options, _WRITE_OPTIONS, WRITE_FORMATS, "write")
     table: dict[str, Callable[..., Conversion]] = {
         "deepspeed": to_deepspeed, "accelerate": to_accelerate, "lightning": to_lightning, "keras": to_keras,
-        "jmp": to_jmp, "grad-scaler": to_grad_scaler, "flax": to_flax, "fsdp": to_fsdp}
+        "jmp": to_jmp, "grad-scaler": to_grad_scaler, "flax": to_flax, "optax": to_optax,
+        "fsdp": to_fsdp}
     if format == "ampbridge":
         return Conversion(policy, source_format="ampbridge", target_format="ampbridge")
     return table[format](policy, **options)

@@ -161,3 +161,15 @@ def test_deepspeed_version_and_the_old_release_switch(capsys):
 def test_device_cpu_reads_what_the_tools_do_there(capsys):
     code, out, err = run(capsys, "convert", "lightning:16-mixed", "--device", "cpu", "--lightning-api", "fabric")
     assert code == 0 and 'compute_dtype = "bfloat16"' in out and "switches to 'bf16-mixed'" in err
+
+
+def test_convert_reads_and_writes_optax_apply_if_finite(capsys, tmp_path):
+    src = tmp_path / "optax.json"
+    src.write_text('{"max_consecutive_errors": 3, "notfinite_count": 1}')
+    code, out, err = run(capsys, "convert", src)  # detected by its keys
+    assert code == 0 and ampbridge.loads(out).loss_scale.max_consecutive_skips == 3
+    assert "optax scales no loss" in err
+    policy = tmp_path / "p.toml"
+    policy.write_text('[loss_scale]\nmode = "none"\nmax_consecutive_skips = 4\n')
+    code, out, _ = run(capsys, "convert", policy, "--to", "optax")
+    assert code == 0 and json.loads(out) == {"max_consecutive_errors": 4}
