@@ -156,7 +156,8 @@ HOOKS: tuple[PrivateHook, ...] = (
        _T + "test_trainers.py"),
     # ATen overload names trace() matches (private ops are what autocast dispatches to)
     *(_h(f"aten.{op}", "torch", "trace(): op kinds to report or ignore", _TRACE) for op in (
-        "_cudnn_rnn", "_embedding_bag", "_fused_rms_norm", "_log_softmax", "_native_batch_norm_legit",
+        "_cudnn_rnn", "_embedding_bag", "_fused_rms_norm", "_grouped_mm", "_log_softmax",
+        "_native_batch_norm_legit", "_native_multi_head_attention",
         "_prelu_kernel", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_flash_attention_for_cpu", "_softmax", "_to_copy", "_trilinear")),
     # --- keras: the LossScaleOptimizer subclass (loss_scale.py): Keras's class routes a step through

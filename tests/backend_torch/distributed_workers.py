@@ -345,7 +345,7 @@ def deepspeed(port: int, out: str) -> None:
     except ValueError as e:
         clash = str(e)
     engine, opt, _, _ = abt.deepspeed_initialize(model, deepspeed_policy(), config, model_parameters=model.parameters(),
-                                                 accept=["loss_scale.growth_interval"])
+                                                 accept=["loss_scale.first_growth_interval"])
     states = []
     for overflow in DS_OVERFLOWS:
         x = torch.randn(4, 8, dtype=torch.float16)
@@ -411,7 +411,7 @@ def _deepspeed_engine(micro_batch: int, reduce_dtype: str = "float32"):
               "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
     engine, opt, _, _ = abt.deepspeed_initialize(model, deepspeed_policy(reduce_dtype), config,
                                                  model_parameters=model.parameters(),
-                                                 accept=["loss_scale.growth_interval"])
+                                                 accept=["loss_scale.first_growth_interval"])
     return engine, opt
 
 

@@ -224,7 +224,7 @@ def test_deepspeed_engine_the_accelerator_refuses_is_refused_by_name(monkeypatch
     accelerator = get_accelerator()
     monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: False)  # as on the AMD VM
     monkeypatch.setattr(accelerator, "is_bf16_supported", lambda: True)
-    accept = ["loss_scale.growth_interval", "loss_scale.min_scale", "output_dtype"]
+    accept = ["loss_scale.first_growth_interval", "loss_scale.min_scale", "output_dtype"]
     model = torch.nn.Linear(4, 4)
     with pytest.raises(UnsupportedOptionError, match=r"^preset:mixed_float16: compute_dtype = 'float16' needs "
                        r"DeepSpeed's fp16 engine, which its '\w+' accelerator refuses on this machine "
@@ -248,7 +248,7 @@ def test_deepspeed_engine_from_the_policy_follows_the_promised_trajectory(tmp_pa
     run = torch.load(tmp_path / "deepspeed.pt")
     # refused by name until accepted: the installed release grows one step later than the policy says
     assert run["refused"].startswith(f"DeepSpeed {run['version']} (ZeRO stage 2) cannot realise "
-                                     "loss_scale.growth_interval = 2")
+                                     "loss_scale.first_growth_interval = 2")
     assert run["clash"].startswith("config holds precision section(s) ['bf16']")
     assert run["optimizer"] == "DeepSpeedZeroOptimizer" and run["dtype"] == "torch.float16"
     assert run["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2,

@@ -96,7 +96,8 @@ def deepspeed_initialize(model: "nn.Module | TorchAmp", policy: Policy | str | P
 
     What DeepSpeed cannot do as the policy says is refused by name (``UnsupportedOptionError``
     listing each setting and why) unless ``accept`` names the setting (e.g.
-    ``"loss_scale.growth_interval"``: DeepSpeed from 0.17.1 grows one step later). ``config`` must
+    ``"loss_scale.first_growth_interval"``: DeepSpeed from 0.17.1 grows one step later than a policy
+    without ``first_growth_interval = window + 1``). ``config`` must
     not hold precision sections of its own. ``via="torch_autocast"`` with an applied model (pass
     the ``TorchAmp``; ``policy`` None: its policy) runs DeepSpeed's ``torch_autocast`` over
     ampbridge's regions, which realise the pins and the output dtype DeepSpeed cannot express.

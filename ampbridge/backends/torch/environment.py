@@ -125,6 +125,7 @@ def cpu_lstm_takes_float32_inputs(compute_dtype: "str | torch.dtype") -> bool:
     one-unit LSTM. ``compute_dtype`` is a name or a ``torch.dtype``.
 
     Example:
+        >>> import torch
         >>> cpu_lstm_takes_float32_inputs("float32"), cpu_lstm_takes_float32_inputs(torch.float32)
         (True, True)
     """
