@@ -87,19 +87,20 @@ def _policy(scaling):
 
 def native_optimizer(inner, scaling, axis_name=None):
     """The hand-written jmp + optax step as an optax transformation (so MultiSteps and vmap wrap it
-    exactly as they wrap ampbridge's)."""
-    def make_scale():
-        scale = jnp.float32(scaling["initial_scale"])
-        if scaling["mode"] == "static":
-            return jmp.StaticLossScale(scale)
-        return jmp.DynamicLossScale(scale, period=scaling["period"], factor=scaling["factor"])
+    exactly as they wrap ampbridge's). A static scale is jmp's ``StaticLossScale`` arithmetic on a
+    float32 array in the state: jmp's class keeps its scale as pytree metadata, which ``MultiSteps``'s
+    ``lax.cond`` cannot compare (it raises), and which jit would fold into the program."""
+    static = scaling["mode"] == "static"
 
     def init(params):
-        return make_scale(), inner.init(params)
+        scale = jnp.float32(scaling["initial_scale"])
+        if not static:
+            scale = jmp.DynamicLossScale(scale, period=scaling["period"], factor=scaling["factor"])
+        return scale, inner.init(params)
 
     def update(grads, state, params=None):
         loss_scale, inner_state = state
-        unscaled = loss_scale.unscale(grads)
+        unscaled = (jmp.StaticLossScale(loss_scale) if static else loss_scale).unscale(grads)
         grads = jax.tree_util.tree_map(lambda u, g: u.astype(g.dtype), unscaled, grads)
         finite = jmp.all_finite(grads)
         if axis_name is not None:
@@ -107,17 +108,17 @@ def native_optimizer(inner, scaling, axis_name=None):
         updates, new_inner = inner.update(grads, inner_state, params)
         skip = jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), updates)
         updates, new_inner = jmp.select_tree(finite, (updates, new_inner), (skip, inner_state))
-        return updates, (loss_scale.adjust(finite), new_inner)
+        return updates, (loss_scale if static else loss_scale.adjust(finite), new_inner)
 
     return optax.GradientTransformation(init, update)
 
 
 def _native_scale(state):
-    for leaf in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, (jmp.DynamicLossScale,
-                                                                                 jmp.StaticLossScale))):
-        if isinstance(leaf, (jmp.DynamicLossScale, jmp.StaticLossScale)):
+    for leaf in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, jmp.DynamicLossScale)):
+        if isinstance(leaf, jmp.DynamicLossScale):
             return leaf.loss_scale
-    raise AssertionError("no jmp loss scale in the native state")
+    inner = state.inner_opt_state if hasattr(state, "inner_opt_state") else state  # MultiSteps
+    return inner[0]  # the static scale
 
 
 def _bits(tree):

@@ -152,3 +152,29 @@ def test_residual_decoder_trains_bit_identical_to_jmp_hand_pinning(bits_equal):
     assert seen_a == seen_n
     assert (seen_a["embed"], seen_a["block0.norm"], seen_a["block0.fc"], seen_a["block0"]) == (
         "float32", "float32", "float16", "float16")
+
+
+def test_a_pinned_first_layer_gets_the_models_inputs_unrounded():
+    """Found by the Flax model fuzzer: the model's own call cast its inputs to float16 before a
+    pinned first layer saw them, so 1e5 arrived as inf (torch and Keras hand it float32)."""
+    from flax import nnx
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="head")(nn.Dense(4, name="stem")(x))
+
+    class Nnx(nnx.Module):
+        def __init__(self, rngs):
+            self.stem, self.head = nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.stem(x))
+
+    policy = ampbridge.Policy(compute_dtype="float16", keep_float32=("stem", "head"))
+    x = jnp.full((1, 3), 1e5, jnp.float32)
+    amp = abj.apply(Linen(), policy)
+    out = amp.apply(amp.init(jax.random.key(0), x), x)
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+    out = abj.apply(Nnx(nnx.Rngs(0)), policy)(x)
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
