@@ -15,7 +15,6 @@ Peak memory of each child process is asserted under 200 MB (the alias bomb grew 
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -37,11 +36,20 @@ CASES = {
 }
 
 
-def _run(argv, **kwargs):
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run([sys.executable, "-m", "ampbridge", *argv], capture_output=True, text=True, timeout=120,
-                          **kwargs)
-    return proc, max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+_CHILD = """
+import atexit, resource, sys
+atexit.register(lambda: open(sys.argv[1], "w").write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
+from ampbridge.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _run(argv, tmp_path):
+    """The command in a child process; (its result, its own peak resident memory in KB)."""
+    peak = tmp_path / "peak"
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(peak), *argv], capture_output=True, text=True,
+                          timeout=120)
+    return proc, int(peak.read_text())
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -50,7 +58,7 @@ def test_refused_in_one_line_with_bounded_memory(case, tmp_path):
     name, text, says = CASES[case]
     path = tmp_path / name
     path.write_text(text)
-    proc, peak_kb = _run(["validate", str(path)])
+    proc, peak_kb = _run(["validate", str(path)], tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
     assert says in proc.stderr and str(path) in proc.stderr
