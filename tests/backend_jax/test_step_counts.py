@@ -28,8 +28,8 @@ import ampbridge.jax as abj  # noqa: E402
 
 # measured with jax 0.10.2 on the CPU; ampbridge's step before issue 24: 6 state leaves, 300 lowered
 # ops, 874 optimised instructions (jmp's: 2 scalars, 292, 767); after issue 36's finite-check fix:
-# 2, 310, 818 and 76 kernels (jmp's 76); with issue 38's sixth counter (nonfinite_streak) and the
-# model's inputs cast by its first layer: 2, 314, 819, still 76 kernels
+# 2, 310, 818 and 76 kernels (jmp's 76); with issue 38's sixth counter (nonfinite_streak):
+# 2, 314, 819, still 76 kernels
 MEASURED_ON = "0.10.2"
 MAX_STATE_LEAVES, MAX_LOWERED_OPS, MAX_INSTRUCTIONS = 2, 314, 819
 

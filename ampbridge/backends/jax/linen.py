@@ -233,8 +233,7 @@ class _LinenInterceptor:
             if hit is not None:
                 self.memo_params[path] = hit.params
                 return hit.out
-        if not outermost:  # the model's inputs reach each layer as given: a pinned first layer gets them
-            args, kwargs = _cast_tree((args, kwargs), compute)  # unrounded, as in torch and Keras
+        args, kwargs = _cast_tree((args, kwargs), compute)
         if watch is not None and watch[1]:
             args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
         entered = self.entered

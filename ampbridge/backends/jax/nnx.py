@@ -228,8 +228,7 @@ def _wrap_method(name: str, original: Callable) -> Callable:
             active = _ACTIVE.ids = set()
         compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
         compute = _DTYPES[compute_name]
-        if path:  # the model's inputs reach each layer as given (a pinned first layer: unrounded), as in linen
-            args, kwargs = _cast_tree((args, kwargs), compute)
+        args, kwargs = _cast_tree((args, kwargs), compute)
         if id(self) in active:  # one of its own methods calling another: parameters already cast
             out = _cast_tree(original(self, *args, **kwargs), _DTYPES[output_name])
             return out if final_name is None else _cast_tree(out, _DTYPES[final_name])
