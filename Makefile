@@ -21,6 +21,9 @@ $(VENV)/.stamp: pyproject.toml constraints.txt
 	# flaxmodels (the Flax zoo's linen ResNet18) without its deps: it lists the `dataclasses` backport;
 	# the rest is already in .[dev]. (recurrentgemma pins numpy<2.4 and absl-py<2; gemma 4 needs Python 3.12)
 	$(VENV)/bin/python $(PIP) --no-deps flaxmodels==0.1.3
+	# tf-keras (Keras 2) requires full tensorflow, which clashes with tensorflow-cpu (same files): the
+	# CPU build already installed is its TensorFlow. torchao (float8 training) would pull another torch.
+	$(VENV)/bin/python $(PIP) --no-deps tf-keras==2.21.0 torchao==0.18.0
 	touch $@
 
 # framework-free: proves the core needs no framework
