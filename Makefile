@@ -4,11 +4,15 @@ PYTHON ?= python3
 VENV := .venv
 CORE_VENV := .venv-core
 MIN_VENV := .venv-min
+DEMO_VENV := .venv-demo
 CORE313_VENV := .venv-core313
 PYTHON313 ?= $(shell python3.13 -c 'import sys; print(sys.executable)' 2>/dev/null || ls -d $$(pyenv root 2>/dev/null)/versions/3.13*/bin/python3.13 2>/dev/null | tail -1)
 PIP := -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test test-core test-all test-min test-core-313 fuzz bench clean
+help:  ## this list
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
+
+.PHONY: help demo test test-core test-all test-min test-core-313 fuzz bench clean
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	rm -rf $(VENV)
@@ -39,22 +43,29 @@ $(MIN_VENV)/.stamp: pyproject.toml constraints-min.txt
 	rm -rf $(MIN_VENV)
 	$(PYTHON) -m venv $(MIN_VENV)
 	$(MIN_VENV)/bin/python -m pip install -q --disable-pip-version-check -c constraints-min.txt \
-		-e '.[test,torch,keras,jax]' jmp orbax-checkpoint
+		-e '.[test,torch,tensorflow,jax]' jmp orbax-checkpoint
 	touch $@
 
-demo: $(VENV)/.stamp
-	$(VENV)/bin/ampbridge demo
+# the demo's own environment: the three frameworks and matplotlib, none of the test tools
+$(DEMO_VENV)/.stamp: pyproject.toml constraints.txt
+	rm -rf $(DEMO_VENV)
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python $(PIP) -e '.[all]'
+	touch $@
+
+demo: $(DEMO_VENV)/.stamp  ## train the example policy in torch, Keras and Flax (builds .venv-demo)
+	$(DEMO_VENV)/bin/ampbridge demo
 
 # prints its wall and CPU time at the end (bash's time counts every child process)
-test:
+test:  ## every suite: the core without frameworks, then every backend (CI runs this)
 	@TIMEFORMAT='make test: %0R s wall, %0U s user + %0S s system CPU'; time $(MAKE) --no-print-directory test-core test-all
 
-test-core: $(CORE_VENV)/.stamp
+test-core: $(CORE_VENV)/.stamp  ## the framework-free core suite only (about a minute)
 	$(CORE_VENV)/bin/python -m pytest tests/core -q
 
 # every backend is required here: a missing framework fails instead of skipping.
 # Keras picks its backend once per process, so its tests run again under JAX and torch.
-test-all: $(VENV)/.stamp
+test-all: $(VENV)/.stamp  ## every backend's suite, Keras under TensorFlow, JAX and torch
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q tests/backend_keras
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q tests/backend_keras
@@ -62,7 +73,7 @@ test-all: $(VENV)/.stamp
 # the differential fuzzers (every tests/**/test_fuzz*.py) with many more, fresh examples than make test's
 # seeded few (AMPBRIDGE_FUZZ=1: ampbridge._testing.fuzz_settings); the Keras ones under each Keras backend
 FUZZ_FILES = $(shell find tests -name 'test_fuzz*.py' | sort)
-fuzz: $(VENV)/.stamp
+fuzz: $(VENV)/.stamp  ## the differential fuzzers with many more examples
 	@TIMEFORMAT='make fuzz: %0R s wall, %0U s user + %0S s system CPU'; time ( set -e; \
 	AMPBRIDGE_FUZZ=1 AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q $(FUZZ_FILES); \
 	for backend in jax torch; do \
@@ -72,7 +83,7 @@ fuzz: $(VENV)/.stamp
 
 # the floors: the Keras suite on each Keras backend and the JAX suite at constraints-min.txt (the
 # torch floor is the newest pin, so the torch suite runs once, in test-all). .ci/run calls it after test.
-test-min: $(MIN_VENV)/.stamp
+test-min: $(MIN_VENV)/.stamp  ## the suites at the oldest supported releases
 	@TIMEFORMAT='make test-min: %0R s wall, %0U s user + %0S s system CPU'; time ( set -e; \
 	for backend in tensorflow jax torch; do \
 		AMPBRIDGE_REQUIRE=all KERAS_BACKEND=$$backend $(MIN_VENV)/bin/python -m pytest -q tests/backend_keras; \
@@ -81,15 +92,15 @@ test-min: $(MIN_VENV)/.stamp
 
 # the core suite on Python 3.13 (requires-python's newest tested): python3.13 on PATH or pyenv's,
 # else one line saying so (no download of an interpreter)
-test-core-313:
+test-core-313:  ## the core suite on Python 3.13
 	@if [ -z "$(PYTHON313)" ]; then echo "test-core-313: no python3.13 (PATH or pyenv): the core suite ran on $$($(PYTHON) --version) only"; else \
 	set -e; [ -f $(CORE313_VENV)/.stamp ] && [ $(CORE313_VENV)/.stamp -nt pyproject.toml ] && [ $(CORE313_VENV)/.stamp -nt constraints.txt ] || { \
 	rm -rf $(CORE313_VENV); $(PYTHON313) -m venv $(CORE313_VENV); \
 	$(CORE313_VENV)/bin/python $(PIP) -e '.[test]'; touch $(CORE313_VENV)/.stamp; }; \
 	$(CORE313_VENV)/bin/python --version; $(CORE313_VENV)/bin/python -m pytest tests/core -q; fi
 
-bench: $(VENV)/.stamp
+bench: $(VENV)/.stamp  ## speed and counts against native AMP (docs/benchmarks.md)
 	$(VENV)/bin/python benchmarks/run.py
 
-clean:
-	rm -rf $(VENV) $(CORE_VENV) $(MIN_VENV) $(CORE313_VENV) build *.egg-info
+clean:  ## remove the virtual environments
+	rm -rf $(VENV) $(CORE_VENV) $(MIN_VENV) $(CORE313_VENV) $(DEMO_VENV) build *.egg-info

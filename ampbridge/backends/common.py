@@ -28,7 +28,7 @@ from ..diagnostics.hardware import Device, resolve_auto
 from ..errors import BackendUnavailableError, LossyPolicyWarning, warn_once
 
 #: the extra that installs each backend's framework
-EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "keras"}
+EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "tensorflow"}
 
 
 def as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:
@@ -98,7 +98,7 @@ def import_framework(module: str, backend: str) -> ModuleType:
         extra = EXTRAS.get(module.split(".")[0], backend)
         raise BackendUnavailableError(
             f"ampbridge.{backend} needs {module.split('.')[0]!r}, which is not installed ({e}). "
-            f"Install with: pip install 'ampbridge[{extra}]'") from e
+            f"Install with: pip install 'ampbridge[{extra}]'") from None  # the chained import trace says no more
     checked_release(module.split(".")[0])
     if module == "keras":  # and the framework Keras computes with
         checked_release({"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(

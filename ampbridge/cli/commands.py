@@ -451,6 +451,24 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if total else 0
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    """Write the example policy (the demo's) where the user wants it: a wheel has no repository files."""
+    target = Path(args.path)
+    if target.is_dir():
+        target = target / "amp.toml"
+    if target.exists() and not args.force:
+        raise InputError(f"{str(target)!r} exists; not overwritten (--force replaces it)")
+    if not target.resolve().parent.is_dir():
+        raise InputError(f"{str(target)!r}: no such directory {str(target.parent)!r}")
+    text = (EXAMPLES / "amp.toml").read_text()
+    try:
+        target.write_text(text)
+    except OSError as e:
+        raise InputError(f"{str(target)!r}: cannot write it ({e.strerror or e})") from None
+    print(f"wrote {target} (the example policy); next: ampbridge show {target}, or ampbridge demo {target}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo.run import run_demo
 
@@ -569,6 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frameworks", default=None, help="comma list: torch, tensorflow (or keras), jax (default: all "
                    "installed)")
     p.set_defaults(run=cmd_doctor)
+
+    p = sub.add_parser("init", help="write the example policy file to start from (amp.toml)")
+    p.add_argument("path", nargs="?", default="amp.toml", metavar="PATH", help="file or directory (default: ./amp.toml)")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(run=cmd_init)
 
     p = sub.add_parser("demo", help="the example policy, planned and trained in every installed framework")
     p.add_argument("policy", nargs="?", default=None, metavar="POLICY", help="a policy file (default: the shipped "

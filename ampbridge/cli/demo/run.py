@@ -151,6 +151,9 @@ def run_demo(args: argparse.Namespace) -> int:
         frameworks = available
     if args.steps < 4:
         raise UsageError("--steps must be at least 4")
+    if args.plot and not frameworks:
+        raise UsageError(f"--plot {args.plot!r}: no framework is installed to train, so there is nothing to plot "
+                         "(pip install 'ampbridge[all]')")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():  # say so before minutes of training
         raise InputError(f"--plot {args.plot!r}: cannot write it: no such directory {str(Path(args.plot).parent)!r}")
     print(f"== policy {path.name}")
