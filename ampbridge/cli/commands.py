@@ -358,7 +358,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                  "policy (convert to ampbridge, grad-scaler, flax or optax)")
         options: dict[str, Any] = {}
         if target == "deepspeed":
-            options = {"via": args.deepspeed_via, "version": _ds_version(args)}
+            options = {"via": args.deepspeed_via, "version": _ds_version(args), "stage": args.zero_stage}
         elif target == "lightning" and args.lightning_version:
             options = {"lightning_version": args.lightning_version}
         out = recipes.write(result, target, **options)
@@ -546,10 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where Accelerate/Lightning run (default cuda): on CPU Accelerate runs fp16 as float32, "
                    "Lightning runs 16-mixed as bf16-mixed")
     p.add_argument("--lightning-api", choices=("trainer", "fabric"), default=None,
-                   help="Lightning's Trainer (the default: outputs not converted) or Fabric (outputs float32)")
+                   help="Lightning's Trainer (outputs not converted) or Fabric (outputs float32); not given: read "
+                   "as Fabric, the Trainer's difference listed as lost")
     _tool_version_args(p)
     p.add_argument("--deepspeed-via", choices=("native", "torch_autocast", "amp"), default="native",
                    help="how --to deepspeed realises the policy (default: its fp16/bf16 modes)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="--to deepspeed: the ZeRO stage to write (zero_optimization.stage); it decides hysteresis "
+                   "and which steps skip. Not given: none written, and what only ZeRO honours is listed as lost")
     p.add_argument("--jmp-half", choices=("float16", "bfloat16"), default=None,
                    help="what jmp's device-dependent 'half' means (default float16; bfloat16 on TPU)")
     p.set_defaults(run=cmd_convert)

@@ -495,9 +495,11 @@ def to_deepspeed(policy: Policy, *, via: str = "native", version: str | None = N
         >>> import ampbridge
         >>> c = to_deepspeed(ampbridge.preset("float16").replace(loss_scale=ampbridge.LossScaleConfig(
         ...     mode="dynamic", growth_interval=1000, hysteresis=2, min_scale=1.0, on_min_scale="error")),
-        ...     version="0.17.0")
+        ...     version="0.17.0", stage=2)
         >>> c.exact
         True
+        >>> c.result["zero_optimization"]
+        {'stage': 2}
         >>> for key, value in c.result["fp16"].items(): print(key, value)
         enabled True
         loss_scale 0
@@ -522,7 +524,10 @@ def to_deepspeed(policy: Policy, *, via: str = "native", version: str | None = N
             w.note(f"float32 compute written as DeepSpeed's plain float32 mode (nothing for {via} to do)")
         w.common("DeepSpeed", pins_reason="DeepSpeed's fp16/bf16 modes cast the whole module; they cannot "
                  "keep layers in float32 (ampbridge's torch backend can)" if compute != "float32" else "")
-        return w.done(_ds_native(w, p, version, stage))
+        out = _ds_native(w, p, version, stage)
+        if stage is not None:  # the stage the numerics above were written for travels with them
+            out["zero_optimization"] = {"stage": stage}
+        return w.done(out)
     if via == "torch_autocast":
         w.common("DeepSpeed", pins_reason="torch.autocast has per-op lists, not per-module pins")
         return w.done(_ds_autocast_out(w, p))
@@ -566,6 +571,11 @@ def _ds_native(w: _Writer, p: Policy, version: str, stage: int | None = None) ->
         _ds_fp16_scale(w, ls, view, section, version, stage)
         if stage == 0 and view["mode"] == "dynamic" and ls.hysteresis != 1:
             w.loss("loss_scale.hysteresis", ls.hysteresis, "FP16_Optimizer (no ZeRO) has no hysteresis")
+        elif stage is None and view["mode"] == "dynamic" and ls.hysteresis != 1:
+            # a config without zero_optimization runs at stage 0, where hysteresis is ignored without a word
+            w.loss("loss_scale.hysteresis", ls.hysteresis, "honoured only under ZeRO (zero_optimization.stage >= 1), "
+                   "and no stage was given, so none is written: DeepSpeed's default stage 0 (FP16_Optimizer) has "
+                   "no hysteresis; give the stage (stage=, --zero-stage) or merge into a config with ZeRO")
         if stage == 0 and view["mode"] == "dynamic" and ls.min_scale is not None and ls.on_min_scale != "clamp":
             w.loss("loss_scale.on_min_scale", ls.on_min_scale, "FP16_Optimizer (no ZeRO) clamps at min_loss_scale")
         if p.param_dtype == "float16":

@@ -170,16 +170,18 @@ def test_ds_bad_and_unknown_keys_name_the_key(tmp_path):
 
 def test_ds_export_of_its_own_defaults_is_exact_for_the_modulo_release():
     policy = recipes.load(HERE / "ds_fp16_dynamic.json", release="modulo").result
-    out = recipes.to_deepspeed(policy, release="modulo")
+    out = recipes.to_deepspeed(policy, release="modulo", stage=1)  # the file's ZeRO stage
     assert out.result == {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                                    "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,
-                                   "min_loss_scale": 1}}
+                                   "min_loss_scale": 1}, "zero_optimization": {"stage": 1}}
     assert out.exact
+    # no stage: written without zero_optimization, which runs at stage 0, where hysteresis is ignored
+    assert settings(recipes.to_deepspeed(policy, release="modulo")) == ["loss_scale.hysteresis"]
     # the modulo release's timing written for 0.19.8 (which grows first after window + 1): a loss
-    assert settings(recipes.to_deepspeed(policy)) == ["loss_scale.first_growth_interval"]
+    assert settings(recipes.to_deepspeed(policy, stage=1)) == ["loss_scale.first_growth_interval"]
     current = recipes.load(HERE / "ds_fp16_dynamic.json").result
-    assert recipes.to_deepspeed(current).exact and recipes.to_deepspeed(current).result == out.result
-    assert settings(recipes.to_deepspeed(current, release="modulo")) == ["loss_scale.first_growth_interval"]
+    assert recipes.to_deepspeed(current, stage=1).exact and recipes.to_deepspeed(current, stage=1).result == out.result
+    assert settings(recipes.to_deepspeed(current, release="modulo", stage=1)) == ["loss_scale.first_growth_interval"]
 
 
 def test_ds_export_names_what_deepspeed_cannot_hold():

@@ -123,3 +123,29 @@ def test_static_scale_recipe_keeps_its_scale_and_skips():
     policy = recipes.load(HERE / "ds_fp16_static.json").result
     states = trajectory(policy.resolved_loss_scale, [False, True, False, True])
     assert {s.scale for s in states} == {128.0} and states[-1].skipped == 2
+
+
+def test_hysteresis_without_a_zero_stage_is_a_named_loss_and_the_stage_given_is_written(tmp_path, capsys):
+    # a config without zero_optimization runs at stage 0 (FP16_Optimizer), which ignores fp16.hysteresis
+    import ampbridge
+    from ampbridge.cli.commands import main
+    from ampbridge.recipes import from_deepspeed, to_deepspeed
+
+    policy = ampbridge.loads('version = 1\nextends = "mixed_float16"\n[loss_scale]\nhysteresis = 2\n', format="toml")
+    unknown = to_deepspeed(policy)
+    assert "zero_optimization" not in unknown.result
+    assert any(str(loss).startswith("loss_scale.hysteresis = 2: honoured only under ZeRO") for loss in unknown.losses)
+    staged = to_deepspeed(policy, stage=2)
+    assert staged.result["zero_optimization"] == {"stage": 2}
+    assert not any(str(loss).startswith("loss_scale.hysteresis") for loss in staged.losses)
+    assert from_deepspeed(staged.result).result.loss_scale.hysteresis == 2  # read back at the stage written
+    at_zero = to_deepspeed(policy, stage=0)
+    assert any(str(loss).startswith("loss_scale.hysteresis = 2: FP16_Optimizer") for loss in at_zero.losses)
+
+    src = tmp_path / "amp.toml"
+    src.write_text(ampbridge.dumps(policy, format="toml"))
+    out = tmp_path / "ds.json"
+    assert main(["convert", str(src), "--to", "deepspeed", "--strict", "-o", str(out)]) == 1
+    assert "honoured only under ZeRO" in capsys.readouterr().err and not out.exists()
+    main(["convert", str(src), "--to", "deepspeed", "--zero-stage", "2", "-o", str(out)])
+    assert json.loads(out.read_text())["zero_optimization"] == {"stage": 2}

@@ -137,7 +137,9 @@ def deepspeed_initialize(model: "nn.Module | TorchAmp", policy: Policy | str | P
                                      + " (accept=[...] names the settings you accept as they are)")
     _refuse_unsupported_engine(conversion.result, as_policy(policy))
     module = amp.model if amp is not None else model
-    return deepspeed.initialize(model=module, config={**config, **conversion.result}, **initialize_kwargs)
+    # the stage was read from this config: its own zero_optimization section (offload, buckets) stays whole
+    precision = {key: value for key, value in conversion.result.items() if key != "zero_optimization"}
+    return deepspeed.initialize(model=module, config={**config, **precision}, **initialize_kwargs)
 
 
 def _refuse_unsupported_engine(sections: Mapping[str, Any], policy: Policy) -> None:
