@@ -353,6 +353,45 @@ def test_fabric_plugin_equals_the_torch_amp_loop():
         assert s == hs, step
 
 
+def test_fabric_bfloat16_without_fabric_backward_equals_native_fabric():
+    """A bfloat16 policy scales nothing, so a plain ``loss.backward()`` is exact. Fabric insists on
+    ``fabric.backward`` only for outputs of the wrapped module; a loss computed from the model itself
+    (here under ``fabric.autocast()``) steps through the wrapped optimizer without it. Native
+    bf16-mixed then just steps; ampbridge's plugin used to fail with torch's "Attempted step but
+    _scale is None". Now it trains the same weights."""
+    lightning = ampbridge._testing.require("lightning")
+    runs = {}
+    for name in ("ampbridge", "native"):
+        model = tiny("gpt2")
+        plugin = abt.fabric_precision("mixed_bfloat16", "cpu") if name == "ampbridge" else None
+        fabric = (lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin]) if plugin is not None
+                  else lightning.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed"))
+        module, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        module.train()
+        before = snapshot(model)
+        for batch in fabric.setup_dataloaders(torch.utils.data.DataLoader(rows(), batch_size=8)):
+            with fabric.autocast():
+                loss = model(**batch).loss  # the model itself, not Fabric's wrapper
+            loss.backward()  # not fabric.backward
+            fabric.clip_gradients(module, opt, max_norm=1.0, error_if_nonfinite=False)
+            opt.step()
+            opt.zero_grad()
+        runs[name] = snapshot(model)
+        assert any(not torch.equal(before[k], runs[name][k]) for k in before), name  # it trained
+    assert_same(runs["ampbridge"], runs["native"], "end")
+
+
+def test_lightning_plugin_offers_the_autocast_context_manager():
+    # Lightning's MixedPrecision API, which its plugin tests and user code call directly
+    plugin = abt.lightning_precision("mixed_bfloat16", device_type="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    plugin.convert_module(model)
+    with plugin.autocast_context_manager():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert model[0](torch.ones(2, 4)).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_importing_the_backend_leaves_the_trainers_out():
     import os
     import subprocess

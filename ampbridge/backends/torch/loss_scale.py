@@ -167,7 +167,19 @@ class GradScaler(torch.amp.GradScaler):
                 return optimizer.step(*args, **kwargs)
         return None if overflow else optimizer.step(*args, **kwargs)
 
+    def _scale_one_if_never_scaled(self, optimizer: Any) -> None:
+        """Scale 1 (mode "none") needs no ``scale(loss)``: a plain ``loss.backward()`` is exact, as in a
+        native bfloat16 loop (Fabric's bf16 without ``fabric.backward``); only the state is missing."""
+        if self._enabled and self.config.mode == "none" and self._scale is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._lazy_init_scale_growth_tracker(params[0].device if params else torch.device(self._device))
+
+    def unscale_(self, optimizer: Any) -> None:
+        self._scale_one_if_never_scaled(optimizer)
+        super().unscale_(optimizer)
+
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self._scale_one_if_never_scaled(optimizer)
         if not getattr(self, "_step_verified", False):  # (a scaler unpickled from an older ampbridge)
             return self._verified_step(optimizer, *args, **kwargs)
         if (self._enabled and self.config.max_consecutive_skips is not None

@@ -217,6 +217,11 @@ def _lightning_class(package: str) -> type:
             with amp.autocast():
                 yield
 
+        def autocast_context_manager(self) -> Any:
+            """The policy's model-wide autocast region, as Lightning's ``MixedPrecision`` offers it
+            (its own plugin tests and user code enter it directly)."""
+            return self._require_amp().autocast()
+
         def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
             return super().pre_backward(self._require_amp().scaler.scale(tensor), module)
 
