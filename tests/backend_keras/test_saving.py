@@ -192,3 +192,35 @@ def test_keras_hub_pins_survive_plain_keras(kx, tmp_path):
     assert _layer_table(restored) == saved
     assert list(ak.plan(restored, policy)) == list(ak.plan(task, policy))  # the same rows, same paths
     np.testing.assert_array_equal(np.asarray(kx.numpy(restored(x)), "float32"), expected)
+
+
+def test_keras_hub_causal_lm_keeps_its_optimizer_through_load_model(kx, tmp_path):
+    """keras-hub's tasks override ``compile()``, so ``keras.saving.load_model`` skips their compile
+    config and their optimizer's variables (with only Keras's warning); a resumed run would restart
+    Adam's moments, the step count and the loss scale. ``ak.load_model`` compiles from the saved
+    config and loads them: the next step equals the uninterrupted run's, bit for bit."""
+    import pytest
+
+    keras_hub = pytest.importorskip("keras_hub")
+    kx.seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    # XLA:CPU cannot compile GPT-2's float16 dot_general (F16_F16_F32), native Keras included: JAX
+    # runs the bfloat16 policy (Adam's moments and step count still at stake, no loss scale)
+    policy = POLICY if keras.backend.backend() != "jax" else ampbridge.preset("mixed_bfloat16")
+    lm = ak.apply(keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None), policy)
+    lm.compile(optimizer=ak.optimizer(keras.optimizers.Adam(1e-2), policy),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, 64, (4, 8)).astype("int32"), "padding_mask": np.ones((4, 8), "int32")}
+    y = rng.integers(0, 64, (4, 8)).astype("int32")
+    lm.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    lm.save(tmp_path / "lm.keras")
+    loaded = ak.load_model(tmp_path / "lm.keras")
+    assert int(loaded.optimizer.iterations) == int(lm.optimizer.iterations) == 2
+    assert [kx.numpy(v).tolist() for v in loaded.optimizer.variables] == [kx.numpy(v).tolist()
+                                                                          for v in lm.optimizer.variables]
+    for model in (lm, loaded):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(lm.weights, loaded.weights):
+        np.testing.assert_array_equal(kx.numpy(a), kx.numpy(b), err_msg=a.path)

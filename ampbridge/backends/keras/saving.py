@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zipfile
 from typing import Any
 
@@ -38,6 +39,30 @@ def _read_assets(filepath: Any) -> tuple[dict[str, Any] | None, dict[str, Any] |
             return json.loads(archive.read(name).decode("utf-8")) if name in names else None
 
         return read(f"assets/{_POLICY_ASSET}"), read(f"assets/optimizer/{_ASSET}")
+
+
+def _restore_custom_compile(model: Any, filepath: Any) -> bool:
+    """Compile a model whose class overrides ``compile()`` (keras-hub's tasks: CausalLM, classifiers)
+    from the file's saved compile config, then load the optimizer's variables: for such a model
+    ``keras.saving.load_model`` skips both with only a warning, and training would restart its
+    optimizer (moments, step count, loss scale) from zero. True if it restored them."""
+    optimizer = getattr(model, "optimizer", None)
+    if type(model).compile is keras.Model.compile or (optimizer is not None and optimizer.built):
+        return False  # Keras compiled it itself
+    path = os.fspath(filepath)
+    if not (os.path.isfile(path) and zipfile.is_zipfile(path)):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        compile_config = json.loads(archive.read("config.json").decode("utf-8")).get("compile_config")
+    if not compile_config or compile_config.get("optimizer") is None:
+        return False
+    config = keras.saving.deserialize_keras_object(compile_config)
+    model.compile(**{key: value for key, value in config.items() if value is not None})
+    model.optimizer.build(model.trainable_variables)
+    with warnings.catch_warnings():  # Keras's "compile() was not called" is what this just did
+        warnings.filterwarnings("ignore", message=r".*compile\(\)` was not called")
+        model.load_weights(path)
+    return True
 
 
 def stored_policy(filepath: Any) -> Policy | None:
@@ -82,7 +107,12 @@ def load_model(filepath: Any, policy: Policy | str | None = None, **kwargs: Any)
     Example:
         >>> # model.save("run.keras"); model = ampbridge.keras.load_model("run.keras")
     """
-    model = keras.saving.load_model(filepath, **kwargs)
+    with warnings.catch_warnings():  # said below in ampbridge's own words where it matters
+        warnings.filterwarnings("ignore", message=r".*compile\(\)` was not called")
+        warnings.filterwarnings("ignore", message=r"Skipping variable loading for optimizer")
+        model = keras.saving.load_model(filepath, **kwargs)
+    if kwargs.get("compile", True):
+        _restore_custom_compile(model, filepath)
     model_asset, optimizer_asset = _read_assets(filepath)
     if policy is None:
         policy = stored_policy(filepath)
