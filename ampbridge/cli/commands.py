@@ -577,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frameworks", default=None, help="comma list (default: every installed one)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss and loss scale (needs matplotlib)")
     p.set_defaults(run=cmd_demo)
+
+    from .tune import add_parser as add_tune
+
+    add_tune(sub)
     return parser
 
 
