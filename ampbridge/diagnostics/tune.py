@@ -67,8 +67,8 @@ def reference_policy(policy: Policy) -> Policy:
 class LayerEvidence:
     """What the runs showed of one layer (None where the runs gave no comparable number).
 
-    ``nonfinite``: where the monitor named it first non-finite in the untuned run ("output" or
-    "gradient"); ``pinned``: tune added a pin for it; ``underflow``: the largest share of its
+    ``nonfinite``: where the monitor named it first non-finite ("output" or "gradient") in the
+    run before its pin; ``pinned``: tune added a pin for it; ``underflow``: the largest share of its
     gradients, over the tuned run's steps, that the compute dtype would flush to zero unscaled;
     ``grad_rms_gap``: relative gap of its gradient RMS from the float32 reference at the first
     step both computed finite gradients on the same weights (step 0, or the first steps a
@@ -90,7 +90,7 @@ class Candidate:
     added: tuple[str, ...]
     finite: bool
     runs: int
-    gap_before: float | None  # mean relative loss gap from the reference, before tuning
+    gap_before: float | None  # the first step's loss, relative to the reference's, before tuning (None: non-finite)
     gap_after: float | None  # and with the tuned policy
     skipped: int  # steps the tuned run skipped (the loss scale finding its level)
     evidence: tuple[LayerEvidence, ...]
@@ -164,11 +164,14 @@ def _culprit(log: RunLog) -> tuple[str | None, str]:
 
 
 def _loss_gap(run: RunLog, reference: RunLog) -> float | None:
-    """Mean relative gap of the run's finite losses from the reference's, step by step."""
-    ref = {s["step"]: s.get("loss") for s in reference.steps}
-    gaps = [abs(s["loss"] - ref[s["step"]]) / max(abs(ref[s["step"]]), 1e-12)
-            for s in run.steps if _finite(s.get("loss")) and _finite(ref.get(s["step"]))]
-    return sum(gaps) / len(gaps) if gaps else None
+    """Relative gap of the first step's loss from the reference's: the same weights and the same
+    batch, so only the forward's numerics differ (later steps also differ by the skipped updates)."""
+    if not run.steps or not reference.steps or run.steps[0]["step"] != reference.steps[0]["step"]:
+        return None
+    a, b = run.steps[0].get("loss"), reference.steps[0].get("loss")
+    if not (_finite(a) and _finite(b)):
+        return None
+    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def _rms_gaps(run: RunLog, reference: RunLog) -> dict[str, float]:
@@ -307,7 +310,8 @@ def format_result(result: TuneResult) -> str:
              result.reason]
     if not c.finite:
         lines.append(f"not finite: {c.problem}; the policy below is the last one tried")
-    lines.append(f"loss gap from the float32 reference: before {_pct(c.gap_before)}, after {_pct(c.gap_after)}"
+    gap = {k: "non-finite" if v is None else _pct(v) for k, v in (("before", c.gap_before), ("after", c.gap_after))}
+    lines.append(f"first-step loss gap from the float32 reference: before {gap['before']}, after {gap['after']}"
                  f"; the tuned run skipped {c.skipped} step(s)")
     diff = result.diff()
     lines += ["added to the policy:", *(f"  {line}" for line in diff.splitlines())] if diff else [
@@ -315,7 +319,7 @@ def format_result(result: TuneResult) -> str:
     rows = [e for e in c.evidence if e.nonfinite or e.pinned or (e.underflow or 0) > 0
             or (e.grad_rms_gap or 0) > 0.01]
     if rows:
-        lines.append("evidence (layer: non-finite in the untuned run, pinned, gradient underflow share, "
+        lines.append("evidence (layer: where it went non-finite before its pin, pinned, gradient underflow share, "
                      "gradient RMS gap from float32):")
         for e in rows:
             lines.append(f"  {e.path}: {e.nonfinite or '-'}, {'pinned' if e.pinned else '-'}, "
