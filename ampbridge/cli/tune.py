@@ -8,15 +8,13 @@ import sys
 from typing import Any
 
 from ..core import io as _io
-from .common import InputError, UsageError
+from .common import InputError, UsageError, load_model, one_line
 
 
 def _attribute(spec: str, flag: str) -> Any:
     """``module:name`` resolved like ``--model`` (the working directory first on the path)."""
     import importlib
     import os
-
-    from .commands import _one_line
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -26,10 +24,10 @@ def _attribute(spec: str, flag: str) -> Any:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name != module_name.split(".")[0] and e.name != module_name:
-            raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {_one_line(e)}") from None
+            raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {one_line(e)}") from None
         raise UsageError(f"{flag}: cannot import {module_name!r}: {e}") from None
     except Exception as e:
-        raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {_one_line(e)}") from None
+        raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {one_line(e)}") from None
     finally:
         sys.path.pop(0)
     if not hasattr(module, attr):
@@ -49,19 +47,18 @@ def _dtypes(text: str | None) -> tuple[str, ...] | None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..core.registry import backend_module, detect_backend
-    from .commands import _load_model, _one_line
 
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     dtypes = _dtypes(args.dtypes)
     policy = _io.load(args.policy)
-    model, extras = _load_model(args.model)
+    model, extras = load_model(args.model)
     data_fn = _attribute(args.data, "--data")
     loss = _attribute(args.loss, "--loss")
     try:
         data = data_fn() if callable(data_fn) else data_fn
     except Exception as e:
-        raise InputError(f"--data {args.data}: the callable raised {_one_line(e)}") from None
+        raise InputError(f"--data {args.data}: the callable raised {one_line(e)}") from None
     name = detect_backend(model)
     if name is None:
         raise InputError(f"--model {args.model}: no installed backend recognises a {type(model).__qualname__}")
@@ -73,7 +70,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = backend_module(name).tune(model, policy, *extras, data, loss, steps=args.steps, dtypes=dtypes,
                                            progress=progress)
     except (TypeError, ValueError) as e:  # the user's model, data or loss did not fit together
-        raise InputError(f"tune ({name}): {_one_line(e)}") from None
+        raise InputError(f"tune ({name}): {one_line(e)}") from None
     print(result.summary())
     if args.output:
         _io.dump(result.policy, args.output)
