@@ -20,8 +20,11 @@ Example:
     ...             "first_nonfinite": {"path": "big", "where": "output"} if bad else None}
     ...     return RunLog({"layers": ["small", "big", "head"]}, [step])
     >>> result = tune_policy("mixed_float16", run, framework="example")
-    >>> result.policy.keep_float32, result.diff()
-    (('big',), '+keep_float32 = ["big"]')
+    >>> result.policy.keep_float32
+    ('big',)
+    >>> print(result.diff())
+    -keep_float32 = []
+    +keep_float32 = ["big"]
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def tune(model: torch.nn.Module, policy: Policy | str | Path, batches: Iterable[
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale(), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1))
         >>> data = [(torch.randn(8, 4), torch.randn(8, 1))]
         >>> result = ampbridge.torch.tune(model, "mixed_float16", data, torch.nn.functional.mse_loss, steps=2)
-        >>> result.added
-        ('1', '2')
+        >>> result.finite, result.added[0]  # the Scale; the LayerNorm too if float16 could not hold its input
+        (True, '1')
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tune takes a torch.nn.Module; received {type(model).__name__}")
