@@ -248,7 +248,7 @@ def _search(policy: Policy, run: RunFn, reference: RunLog, progress: Progress | 
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.2f}%"
+    return "n/a" if x is None else f"{100 * x:.3g}%"
 
 
 def _describe(c: Candidate) -> str:
