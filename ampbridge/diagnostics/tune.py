@@ -19,7 +19,8 @@ Example:
     ...             "skipped": bad, "layers": {},
     ...             "first_nonfinite": {"path": "big", "where": "output"} if bad else None}
     ...     return RunLog({"layers": ["small", "big", "head"]}, [step])
-    >>> result = tune_policy("mixed_float16", run, framework="example")
+    >>> import ampbridge
+    >>> result = tune_policy(ampbridge.preset("mixed_float16"), run, framework="example")
     >>> result.policy.keep_float32
     ('big',)
     >>> print(result.diff())
@@ -34,7 +35,6 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..core import io as _io
@@ -42,22 +42,11 @@ from ..core.dtypes import formats
 from ..core.policy import LossScaleConfig, Policy
 from .runlog import RunLog
 
-__all__ = ["LayerEvidence", "Candidate", "TuneResult", "tune_policy", "resolve_policy", "reference_policy"]
+__all__ = ["LayerEvidence", "Candidate", "TuneResult", "tune_policy", "reference_policy", "StepCycle"]
 
 RunFn = Callable[[Policy], RunLog]
 Progress = Callable[[str], None]
 COMPUTE_DTYPES = ("float16", "bfloat16")
-
-
-def resolve_policy(policy: Policy | str | Path) -> Policy:
-    """A Policy, a preset name, or a policy file (one resolution for every backend's ``tune``)."""
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str) and policy in _io.PRESETS:
-        return _io.preset(policy)
-    if isinstance(policy, (str, Path)):
-        return _io.load(policy)
-    raise TypeError(f"policy must be a Policy, a preset name or a policy file; received {type(policy).__name__}")
 
 
 def reference_policy(policy: Policy) -> Policy:
@@ -271,7 +260,7 @@ def _choose(candidates: Sequence[Candidate]) -> tuple[Candidate, str]:
     return best, f"{best.compute_dtype} is better: {why}. " + "; ".join(_describe(c) for c in candidates)
 
 
-def tune_policy(policy: Policy | str | Path, run: RunFn, *, dtypes: Iterable[str] | None = None,
+def tune_policy(policy: Policy, run: RunFn, *, dtypes: Iterable[str] | None = None,
                 framework: str = "", steps: int = 0, progress: Progress | None = None,
                 max_rounds: int = 32) -> TuneResult:
     """Search the fewest pins for ``policy`` with the backend's ``run`` (see the module docstring).
@@ -279,14 +268,15 @@ def tune_policy(policy: Policy | str | Path, run: RunFn, *, dtypes: Iterable[str
     ``dtypes``: the compute dtypes to consider (default: the policy's own); with several, the
     result keeps the best (finite first, then fewer pins, then the smaller gap from float32)."""
     start = time.perf_counter()
-    policy = resolve_policy(policy)
+    if not isinstance(policy, Policy):  # the backends resolve names and files (backends.common.as_policy)
+        raise TypeError(f"tune_policy takes a Policy; received {type(policy).__name__}")
     if policy.phases:
         raise ValueError("tune takes a policy without [[phase]] entries; tune each phase's policy "
                          "(policy.at(step=...)) on its own")
     wanted = tuple(dtypes) if dtypes is not None else (policy.compute_dtype,)
     known = set(formats())
     for d in wanted:
-        if d not in COMPUTE_DTYPES and d != "float32":
+        if d not in COMPUTE_DTYPES and d != policy.compute_dtype:
             raise ValueError(f"dtypes: {d!r} is not a compute dtype tune considers; accepted: "
                              f"{', '.join(COMPUTE_DTYPES)}" + ("" if d in known else " (not a known dtype)"))
     if not wanted:

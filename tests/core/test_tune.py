@@ -59,7 +59,7 @@ magnitudes = st.lists(st.sampled_from([1.0, 100.0, 6e4, 7e4, 1e6, 1e40]), min_si
 @given(magnitudes)
 def test_tune_pins_exactly_what_the_chain_needs(mags):
     calls = []
-    result = tune_policy("mixed_float16", _simulated(mags, calls), max_rounds=32)
+    result = tune_policy(ampbridge.preset("mixed_float16"), _simulated(mags, calls), max_rounds=32)
     needed = _needed(mags, F16_MAX)
     assert list(result.added) == needed  # forward order, none missing, none extra
     assert result.finite
@@ -78,7 +78,7 @@ def test_tune_pins_exactly_what_the_chain_needs(mags):
 @FUZZ
 @given(magnitudes)
 def test_tune_keeps_the_dtype_that_needs_fewer_pins(mags):
-    result = tune_policy("mixed_float16", _simulated(mags, []), dtypes=("float16", "bfloat16"))
+    result = tune_policy(ampbridge.preset("mixed_float16"), _simulated(mags, []), dtypes=("float16", "bfloat16"))
     f16, bf16 = (len(_needed(mags, top)) for top in (F16_MAX, BF16_MAX))
     by = {c.compute_dtype: c for c in result.candidates}
     assert len(by["float16"].added) == f16 and len(by["bfloat16"].added) == bf16
@@ -93,7 +93,7 @@ def test_a_pin_that_does_not_help_stops_the_search_and_says_so():
                 "layers": {}, "first_nonfinite": {"path": "l0", "where": "output"} if bad else None}
         return RunLog({"layers": ["l0"]}, [step])
 
-    result = tune_policy("mixed_float16", run)
+    result = tune_policy(ampbridge.preset("mixed_float16"), run)
     assert not result.finite and result.added == ("l0",)
     assert "'l0' is pinned to float32 and still goes non-finite" in result.summary()
 
@@ -103,6 +103,6 @@ def test_bad_arguments_are_refused_by_name():
 
     run = _simulated([1.0], [])
     with pytest.raises(ValueError, match="'float8_e4m3fn' is not a compute dtype tune considers"):
-        tune_policy("mixed_float16", run, dtypes=("float8_e4m3fn",))
+        tune_policy(ampbridge.preset("mixed_float16"), run, dtypes=("float8_e4m3fn",))
     with pytest.raises(ValueError, match="without \\[\\[phase\\]\\]"):
         tune_policy(ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 2\n'), run)

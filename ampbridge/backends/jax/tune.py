@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from ...core.policy import Policy
 from ...diagnostics.runlog import RunLog, read_log
 from ...diagnostics.tune import StepCycle, TuneResult, tune_policy
+from ..common import as_policy
 from .apply import apply
 from .loss_scale import optimizer as scaled_optimizer
 from .monitor import Monitor, numerics
@@ -82,4 +83,4 @@ def tune(module: Any, policy: Policy | str | Path, variables: Mapping[str, Any],
         def run(p: Policy) -> RunLog:
             return _run(module, p, variables, cycle, loss_fn, make_tx, Path(tmp) / f"run{next(count)}.jsonl")
 
-        return tune_policy(policy, run, dtypes=dtypes, framework="jax", steps=steps, progress=progress)
+        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="jax", steps=steps, progress=progress)

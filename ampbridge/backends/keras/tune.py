@@ -14,6 +14,7 @@ import numpy as np
 from ...core.policy import Policy
 from ...diagnostics.runlog import RunLog, read_log
 from ...diagnostics.tune import StepCycle, TuneResult, tune_policy
+from ..common import as_policy
 from .apply import apply
 from .loss_scale import optimizer as scaled_optimizer
 from .monitor import MonitorCallback
@@ -66,4 +67,4 @@ def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any
             callback.close()
             return read_log(path)
 
-        return tune_policy(policy, run, dtypes=dtypes, framework="keras", steps=steps, progress=progress)
+        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="keras", steps=steps, progress=progress)

@@ -14,6 +14,7 @@ import torch
 from ...core.policy import Policy
 from ...diagnostics.runlog import RunLog, read_log
 from ...diagnostics.tune import StepCycle, TuneResult, tune_policy
+from ..common import as_policy
 from .apply import apply
 
 __all__ = ["tune"]
@@ -77,5 +78,5 @@ def tune(model: torch.nn.Module, policy: Policy | str | Path, batches: Iterable[
         def run(p: Policy) -> RunLog:
             return _train(model, p, cycle, loss_fn, make_opt, seed, Path(tmp), next(count))
 
-        return tune_policy(policy, run, dtypes=dtypes, framework="torch", steps=steps, progress=progress)
+        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="torch", steps=steps, progress=progress)
 
