@@ -43,13 +43,15 @@ def _stack(cycle: StepCycle) -> tuple[Any, Any, int]:
 
 def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any, *, steps: int = 8,
          dtypes: Iterable[str] | None = None, optimizer: Callable[[], Any] | None = None,
-         progress: Callable[[str], None] | None = None) -> TuneResult:
+         seed: int = 0, progress: Callable[[str], None] | None = None) -> TuneResult:
     """The pins ``policy`` needs on ``model``, found from ``steps`` ``fit`` steps on clones.
 
     ``data``: ``(x, y)`` batches of one size (the first ``steps``, cycled if there are fewer);
     ``loss``: what ``compile`` accepts. ``optimizer()`` builds each run's inner optimizer (default
     Adam, lr 1e-3; ampbridge's loss scaling wraps it). The model is cloned
     (``keras.models.clone_model`` and its weights) for every run: it and its weights stay as they were.
+    Each run starts with ``keras.utils.set_random_seed(seed)`` (the same dropout in every run; this
+    seeds Python's, NumPy's and the Keras backend's global generators).
     """
     cycle = StepCycle.of(data, steps)
     x, y, batch_size = _stack(cycle)
@@ -62,7 +64,7 @@ def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any
             work = apply(_clone(model), p, warn=False)
             work.compile(optimizer=scaled_optimizer(make_opt(), p), loss=loss)
             callback = MonitorCallback(path, every=1)
-            keras.utils.set_random_seed(0)
+            keras.utils.set_random_seed(seed)
             work.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
             callback.close()
             return read_log(path)
