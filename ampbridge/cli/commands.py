@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -28,6 +27,8 @@ from ..core.policy import Policy
 from ..core.risks import lossy_settings
 from ..errors import AmpBridgeError, PolicyError, Problem
 from .common import EXAMPLES, InputError, UsageError, defaults_notes, read_text
+from .common import load_model as _load_model
+from .common import one_line as _one_line
 
 
 def _example_policy() -> Path:
@@ -87,39 +88,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         filled = sorted(k for k, v in defaults_notes(policy, origins, str(args.file)).items() if v.startswith("default"))
         print(f"defaults filled: {', '.join(filled) or 'none'}", file=sys.stderr)
     return 0
-
-
-def _load_model(spec: str) -> tuple[Any, tuple[Any, ...]]:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"--model takes module:callable (as in mypkg.models:build), got {spec!r}")
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name.split(".")[0] and e.name != module_name:
-            raise InputError(f"--model {spec}: importing {module_name!r} failed: {_one_line(e)}") from None
-        raise UsageError(f"--model: cannot import {module_name!r}: {e}") from None
-    except Exception as e:  # the user's module failed while importing: its error, in one line
-        raise InputError(f"--model {spec}: importing {module_name!r} failed: {_one_line(e)}") from None
-    finally:
-        sys.path.pop(0)
-    try:
-        factory = getattr(module, attr)
-    except AttributeError:
-        raise UsageError(f"--model: {module_name!r} has no attribute {attr!r}") from None
-    try:
-        made = factory() if callable(factory) else factory
-    except Exception as e:  # the user's callable raised: say so, with its own one-line summary
-        raise InputError(f"--model {spec}: the callable raised {_one_line(e)}") from None
-    if isinstance(made, tuple) and made:  # (model, *example_inputs), as Flax needs inputs
-        return made[0], tuple(made[1:])
-    return made, ()
-
-
-def _one_line(e: BaseException) -> str:
-    first = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
 
 
 def _plan_for(policy: Policy, args: argparse.Namespace) -> Plan:
@@ -604,6 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frameworks", default=None, help="comma list (default: every installed one)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss and loss scale (needs matplotlib)")
     p.set_defaults(run=cmd_demo)
+
+    from .tune import add_parser as add_tune
+
+    add_tune(sub)
     return parser
 
 

@@ -8,8 +8,11 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 from ..core.fields import LOSS_SCALE_FIELDS, TOP_FIELDS
 from ..core.policy import Policy
@@ -67,3 +70,37 @@ def _short(source: str) -> str:
         return os.path.relpath(source)
     except ValueError:
         return source
+
+
+def load_model(spec: str) -> tuple[Any, tuple[Any, ...]]:
+    """``--model module:callable``: the model the callable returns, and any example inputs after it."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--model takes module:callable (as in mypkg.models:build), got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] and e.name != module_name:
+            raise InputError(f"--model {spec}: importing {module_name!r} failed: {one_line(e)}") from None
+        raise UsageError(f"--model: cannot import {module_name!r}: {e}") from None
+    except Exception as e:  # the user's module failed while importing: its error, in one line
+        raise InputError(f"--model {spec}: importing {module_name!r} failed: {one_line(e)}") from None
+    finally:
+        sys.path.pop(0)
+    try:
+        factory = getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"--model: {module_name!r} has no attribute {attr!r}") from None
+    try:
+        made = factory() if callable(factory) else factory
+    except Exception as e:  # the user's callable raised: say so, with its own one-line summary
+        raise InputError(f"--model {spec}: the callable raised {one_line(e)}") from None
+    if isinstance(made, tuple) and made:  # (model, *example_inputs), as Flax needs inputs
+        return made[0], tuple(made[1:])
+    return made, ()
+
+
+def one_line(e: BaseException) -> str:
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__

@@ -53,9 +53,18 @@ class Summary:
     scale_final_source: str = "the last logged step"  # or "rebuilt from the policy and the skipped steps"
     unreproduced: int = 0  # non-finite steps whose replay found everything finite
     advice: list[str] = field(default_factory=list)
+    pinned: dict[str, str] = field(default_factory=dict)  # layers the policy already keeps in float32, by rule
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+#: ``first_nonfinite = {"path": "", "where": "input"}``: the model's inputs (or the root's own code)
+MODEL_INPUTS = "(the model's inputs)"
+
+
+def _origin_key(first: dict[str, Any]) -> str:
+    return MODEL_INPUTS if not first.get("path") and first.get("where") == "input" else first["path"]
 
 
 def summarize(log: RunLog) -> Summary:
@@ -70,7 +79,7 @@ def summarize(log: RunLog) -> Summary:
     scales = [s["loss_scale"] for s in steps] or [float("nan")]
     min_scale = h.get("min_scale")
     at_min = sum(1 for s in steps if min_scale is not None and s["loss_scale"] <= min_scale)
-    origins = Counter(s["first_nonfinite"]["path"] for s in steps
+    origins = Counter(_origin_key(s["first_nonfinite"]) for s in steps
                       if s.get("first_nonfinite") and s["first_nonfinite"].get("where") != "unreproduced")
     unreproduced = sum(1 for s in steps if (s.get("first_nonfinite") or {}).get("where") == "unreproduced")
     underflow: dict[str, list[float]] = {}
@@ -90,6 +99,8 @@ def summarize(log: RunLog) -> Summary:
         first = (s.get("first_nonfinite") or {}).get("path")
         if first:
             bad.add(first)
+        elif (s.get("first_nonfinite") or {}).get("where") == "input":
+            bad.add(MODEL_INPUTS)
         nonfinite.update(bad)
     mean_underflow = sorted(((p, sum(v) / len(v)) for p, v in underflow.items()), key=lambda t: -t[1])
     losses = [(s["step"], s["loss"]) for s in steps if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
@@ -116,6 +127,9 @@ def summarize(log: RunLog) -> Summary:
         nonfinite_layers=dict(nonfinite.most_common()), nonfinite_steps=nonfinite_steps,
         nonfinite_sampled=nonfinite_sampled, final_loss=losses[-1][1] if losses else None,
         final_loss_step=losses[-1][0] if losses else None, unreproduced=unreproduced)
+    pinned = h.get("pinned")
+    if isinstance(pinned, dict):
+        summary.pinned = {str(k): str(v) for k, v in pinned.items()}
     summary.advice = advise(summary)
     return summary
 
@@ -137,6 +151,15 @@ def advise(s: Summary) -> list[str]:
             out.append(f"the loss itself was non-finite on {count} step(s) while every layer's outputs were "
                        "finite: check the loss computation and its inputs (labels, weights), "
                        "and compute it in float32 (output_dtype = \"float32\")")
+            continue
+        if path == MODEL_INPUTS:
+            out.append(f"the model's inputs (or its root's own code) were non-finite on {count} step(s) before any "
+                       "layer ran: check the data")
+            continue
+        rule = s.pinned.get(path)
+        if rule is not None:  # never advise a pin the policy already has
+            out.append(f"{path} was the first layer to go non-finite on {count} step(s), though it already computes "
+                       f"in float32 ({rule}): its own float32 output overflowed; check its inputs and weights")
             continue
         out.append(f"{path} was the first layer to go non-finite on {count} step(s): pin it "
                    f'(keep_float32 = ["{path}"]) or check its inputs')

@@ -8,7 +8,8 @@ import ampbridge
 CORE_MODULES = ["ampbridge", "ampbridge.errors", "ampbridge.core.dtypes", "ampbridge.core.matching", "ampbridge.core.policy", "ampbridge.core.fields",
                 "ampbridge.core.io", "ampbridge.core.loss_scale", "ampbridge.core.plan", "ampbridge.core.schema", "ampbridge.core.table",
                 "ampbridge.core.registry", "ampbridge._testing", "ampbridge.cli.commands", "ampbridge.cli.common", "ampbridge.backends.common", "ampbridge.backends.private_hooks", "ampbridge.diagnostics.hardware", "ampbridge.diagnostics.environment",
-                "ampbridge.diagnostics.runlog", "ampbridge.diagnostics.report", "ampbridge.diagnostics.doctor", "ampbridge.cli.demo.run"]
+                "ampbridge.diagnostics.runlog", "ampbridge.diagnostics.report", "ampbridge.diagnostics.doctor", "ampbridge.cli.demo.run",
+                "ampbridge.diagnostics.tune", "ampbridge.cli.tune"]
 
 
 def test_every_public_name_exists():

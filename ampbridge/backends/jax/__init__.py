@@ -84,6 +84,7 @@ from .monitor import Monitor, Numerics, numerics  # noqa: E402
 from .plan import plan  # noqa: E402
 from .schedule import Schedule  # noqa: E402
 from .trace import trace  # noqa: E402
+from .tune import tune  # noqa: E402
 from .layers import register_kind  # noqa: E402
 
 __all__ = [
@@ -119,6 +120,7 @@ __all__ = [
     "scale_loss",
     "skipped",
     "trace",
+    "tune",
     "unscale",
     "value_and_grad",
 ]

@@ -42,6 +42,7 @@ from .plan import MixedDTypePolicy, dtype_policy  # noqa: E402
 from .saving import load_model, stored_policy  # noqa: E402
 from .schedule import PhaseCallback  # noqa: E402
 from .trace import plan  # noqa: E402  (static Plan, traced when example inputs are given)
+from .tune import tune  # noqa: E402
 
 __all__ = [
     "LossScaleCallback",
@@ -66,4 +67,5 @@ __all__ = [
     "scope",
     "set_matmul_precision",
     "stored_policy",
+    "tune",
 ]

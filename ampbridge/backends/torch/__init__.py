@@ -15,7 +15,7 @@ from ..common import doctests, import_framework
 import_framework("torch", "torch")
 
 # the rooms, in layers: environment -> layers -> forward -> plan -> monitor -> loss_scale -> schedule
-# -> trace -> apply -> distributed -> trainers (the room modules apply, plan and layers are shadowed here by the
+# -> trace -> apply -> distributed -> trainers -> tune (the room modules apply, plan and layers are shadowed here by the
 # functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
 from .apply import ModelNotSupportedError, TorchAmp, apply, plan  # noqa: E402
 from .distributed import FSDPPrecision, deepspeed_initialize, fsdp_policy, wrap_ddp, wrap_fsdp  # noqa: E402
@@ -24,6 +24,7 @@ from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noq
 from .loss_scale import GradScaler, StepResult  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 from .trainers import HFTrainerMixin, fabric_precision, hf_trainer, lightning_precision  # noqa: E402
+from .tune import tune  # noqa: E402
 
 __all__ = [
     "DTYPES",
@@ -48,6 +49,7 @@ __all__ = [
     "owns",
     "plan",
     "register_kind",
+    "tune",
     "wrap_ddp",
     "wrap_fsdp",
 ]

@@ -118,13 +118,17 @@ class Monitor:
     each layer's gradient statistics (``ampbridge.diagnostics.runlog.layer_stats``: the gradients of the
     parameters the layer owns, before unscaling, in the layer's compute dtype), computed with
     torch ops on the device and read in one transfer. A step whose gradients were non-finite is
-    always logged, with ``first_nonfinite``: the first leaf module (forward order) whose output was
-    non-finite, else the first (backward order) whose input gradient or own parameter gradient
+    always logged, with ``first_nonfinite``: where a forward value first went non-finite, in the
+    order forwards finish: a leaf module's or a container's (a block's) output, its inputs having
+    been finite (a module whose inputs were already non-finite is never named: the container
+    whose own code made them is, or ``{"path": "", "where": "input"}`` for the model's inputs),
+    else the first leaf (backward order) whose input gradient or own parameter gradient
     was, else ``{"path": "", "where": "loss"}``; and, when the host read ``found_inf`` (the
     default loop: the scaler syncs to skip), with every layer's statistics, sampled or not.
 
-    Attribution (``attribution=True``) probes each leaf module: an ``aminmax`` of its output and
-    of the gradient w.r.t. its inputs (through a view of each input). Where the host learns
+    Attribution (``attribution=True``) probes each leaf module: an ``aminmax`` of its output, of its
+    positional inputs and of the gradient w.r.t. its inputs (through a view of each input); and
+    each container below the root: an ``aminmax`` of its inputs and output. Where the host learns
     found_inf at the step (the default loop: the scaler reads it to skip), the probes are off
     and a step costs exactly what it costs without a monitor (aten ops, casts, host syncs; the
     monitor keeps references to the root's inputs, the gradients of its outputs and the RNG
@@ -182,6 +186,10 @@ class Monitor:
         self._candidates = [p for p, m in named
                             if p not in bypassed and (next(m.children(), None) is None or p in whole)]
         index = {p: i for i, p in enumerate(self._candidates)}
+        # block and container boundaries: their outputs are probed after the leaves (a value can go
+        # non-finite in a container's own code, e.g. a residual add); indices after the candidates'
+        leaves = set(self._candidates)
+        self._probed = self._candidates + [p for p, m in named if p and p not in leaves and p not in bypassed]
         # candidates' own parameters first: their flags are the attribution fallback
         owned_by = [(index.get(p, -1), q) for p, params in self._owned for q in params]
         self._grad_params = sorted(owned_by, key=lambda t: t[0] < 0)
@@ -274,9 +282,10 @@ class Monitor:
 
     def _install_probes(self) -> list[Any]:
         handles = []
-        for i, p in enumerate(self._candidates):
+        for i, p in enumerate(self._probed):
             m = self._modules[p]
-            if not getattr(m, "inplace", False):
+            handles.append(m.register_forward_pre_hook(functools.partial(self._check_inputs, i)))
+            if i < len(self._candidates) and not getattr(m, "inplace", False):
                 handles.append(m.register_forward_pre_hook(functools.partial(self._probe_inputs, i)))
             handles.append(m.register_forward_hook(functools.partial(self._check_output, i)))
         return handles
@@ -405,6 +414,17 @@ class Monitor:
         if grad.numel():
             flags = self._flags
             _extremes(grad, flags.bwd_vals, flags.bwd_who, index)
+
+    def _check_inputs(self, index: int, module: nn.Module, args: tuple[Any, ...]) -> None:
+        # the forward inputs' extremes, flagged ~index: a module whose inputs were already non-finite
+        # is never the origin (positional tensors only: an additive mask is usually a keyword)
+        if not torch.is_grad_enabled():
+            return
+        flags = self._flags
+        with torch.no_grad():
+            for t in args:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    _extremes(t, flags.fwd_vals, flags.fwd_who, ~index)
 
     def _check_output(self, index: int, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():
@@ -603,7 +623,7 @@ class Monitor:
         nf, nb = len(e.fwd_who), len(e.bwd_who)
         for k in range(nf):
             if bad[k]:
-                return {"path": self._candidates[e.fwd_who[k]], "where": "output"}
+                return self._forward_origin(e.fwd_who[k])
         if not finite_loss:  # the loss comes after every layer's output and before every gradient
             return {"path": "", "where": "loss"}
         for k in range(nb):
@@ -611,7 +631,7 @@ class Monitor:
                 return {"path": self._candidates[e.bwd_who[k]], "where": "gradient"}
         # a parameter gradient overflowed while no input gradient did: the first such layer in
         # backward order (the one called last in the forward)
-        last_call = {i: k for k, i in enumerate(e.fwd_who)}
+        last_call = {i: k for k, i in enumerate(e.fwd_who) if i >= 0}
         if not last_call:  # no forward flags (a step that could not be replayed): the first forward's order
             first = {p: k for k, p in enumerate(self._order)}
             last_call = {i: first.get(p, -1) for i, p in enumerate(self._candidates)}
@@ -619,6 +639,19 @@ class Monitor:
         if hit:
             return {"path": self._candidates[max(hit, key=lambda i: last_call.get(i, -1))], "where": "gradient"}
         return {"path": "", "where": "unreproduced"}  # the replay found nothing non-finite
+
+    def _forward_origin(self, who: int) -> dict[str, str]:
+        """The first non-finite forward value (in call order): a module's output (its inputs were
+        finite: they were checked before it ran), or a module's inputs, made non-finite by the
+        code of the innermost probed container around it (the model's own code or its inputs: the root)."""
+        if who >= 0:
+            return {"path": self._probed[who], "where": "output"}
+        path = self._probed[~who]
+        while "." in path:
+            path = path.rsplit(".", 1)[0]
+            if path in self._modules:
+                return {"path": path, "where": "output"}
+        return {"path": "", "where": "input"}
 
     def _header(self) -> None:
         if self._writer is not None:
@@ -630,7 +663,11 @@ class Monitor:
         self._writer = RunLogWriter(self.path, framework="torch", compute_dtype=policy.compute_dtype,
                                     layers=self._forward_order(), policy=policy_to_dict(policy),
                                     min_scale=self._amp.scaler.config.min_scale,
-                                    extra={"every": self.every, "attribution": self.attribution})
+                                    extra={"every": self.every, "attribution": self.attribution,
+                                           # what the policy already pins: report's advice never repeats it
+                                           "pinned": {r.path: r.rule for r in self._amp.plan.rows
+                                                      if r.path and r.rule != "default"
+                                                      and r.compute_dtype == "float32" != policy.compute_dtype}})
 
     def _forward_order(self) -> list[str]:
         """The Plan's paths in the order the first forward called them; modules it did not call

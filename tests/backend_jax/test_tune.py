@@ -1,0 +1,98 @@
+"""``ampbridge.jax.tune`` (issue 41) on a Flax linen model with one layer whose outputs leave
+float16's range: non-finite on every forward under ``mixed_float16``; tune pins that layer and
+what its float32 output needs next; the tuned policy trains 30 finite steps with a falling loss;
+the user's variables are unchanged."""
+
+from __future__ import annotations
+
+import math
+
+from ampbridge._testing import require
+
+jax = require("jax")
+nn = require("flax.linen")
+optax = require("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ampbridge  # noqa: E402
+import ampbridge.jax as abj  # noqa: E402
+
+
+class Scale(nn.Module):
+    """Multiplies by 1e6: every output element is beyond float16's 65504."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x * 1e6
+
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = Scale(name="scale")(nn.Dense(8, name="first")(x))
+        small = lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape, dtype) * 1e-6  # noqa: E731
+        x = nn.Dense(8, name="shrink", kernel_init=small)(x)  # back to O(1): float32 trains fine
+        return nn.Dense(1, name="head")(jnp.tanh(x))
+
+
+def _data(n=4):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4, 1)).astype("float32")
+    out = []
+    for _ in range(n):
+        x = rng.standard_normal((16, 4)).astype("float32")
+        out.append((x, np.tanh(x @ w)))
+    return out
+
+
+def _loss(out, target):
+    return jnp.mean((out.astype(jnp.float32) - target) ** 2)
+
+
+def _train(module, policy, variables, data, steps):
+    amp = abj.apply(module, policy)
+    params = amp.cast_params(variables, data[0][0])["params"]
+    tx = abj.optimizer(optax.adam(1e-2), policy)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = abj.value_and_grad(lambda p: _loss(amp.apply({"params": p}, x), y), opt_state)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(float(loss))
+    return losses
+
+
+def test_tune_pins_the_overflowing_layer_then_what_its_output_needs_next():
+    module, data = Model(), _data()
+    variables = module.init(jax.random.key(0), data[0][0])
+    before = jax.tree_util.tree_map(lambda a: np.array(a, copy=True), variables)
+    # under mixed_float16 every forward is non-finite
+    amp = abj.apply(module, "mixed_float16")
+    out = amp.apply(amp.cast_params(variables, data[0][0]), data[0][0])
+    assert not np.isfinite(np.asarray(out, np.float32)).any()
+
+    result = abj.tune(module, "mixed_float16", variables, data, _loss, steps=6)
+
+    assert result.added == ("scale", "shrink")
+    assert result.finite and result.policy.compute_dtype == "float16"
+    assert result.policy == ampbridge.preset("mixed_float16").replace(keep_float32=("scale", "shrink"))
+    assert ampbridge.loads(ampbridge.dumps(result.policy)) == result.policy
+    assert result.evidence["scale"].nonfinite == "output" and not result.evidence["first"].pinned
+    assert result.chosen.gap_after is not None and result.chosen.gap_after < 0.01
+
+    # the user's variables: same values, same dtypes
+    same = jax.tree_util.tree_map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), before, variables)
+    assert all(jax.tree_util.tree_leaves(same))
+
+    losses = _train(module, result.policy, variables, data, 30)
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4

@@ -1,0 +1,124 @@
+"""``ampbridge.torch.tune`` (issue 41): a model with one layer whose outputs leave float16's range is
+non-finite on every forward under ``mixed_float16``; tune pins that layer and what its float32
+output needs next (found by re-running), the tuned policy trains 30 finite steps with a falling
+loss, and the user's model, weights and RNG are untouched."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from ampbridge._testing import require
+
+torch = require("torch")
+pytest = require("pytest")
+
+import ampbridge  # noqa: E402
+import ampbridge.torch as abt  # noqa: E402
+
+nn = torch.nn
+
+
+class Scale(nn.Module):
+    """Multiplies by 1e6: every output element is beyond float16's 65504."""
+
+    def forward(self, x):
+        return x * 1e6
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Scale(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with torch.no_grad():  # brings the 1e6-scaled values back to O(1): float32 trains fine
+        model[2].weight.mul_(1e-6)
+        model[2].bias.zero_()
+    return model
+
+
+def _data(n=4):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(4, 1, generator=g)
+    out = []
+    for _ in range(n):
+        x = torch.randn(16, 4, generator=g)
+        out.append((x, torch.tanh(x @ w)))
+    return out
+
+
+def _train(model, policy, data, steps):
+    amp = abt.apply(model, policy)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, skipped = [], []
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        loss = nn.functional.mse_loss(model(x), y)
+        losses.append(float(loss.detach()))
+        skipped.append(not amp.step(loss, opt))
+        opt.zero_grad()
+    return losses, skipped
+
+
+def test_tune_pins_the_overflowing_layer_then_what_its_output_needs_next():
+    model, data = _model(), _data()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dtypes = {k: p.dtype for k, p in model.named_parameters()}
+    rng = torch.random.get_rng_state()
+    # under mixed_float16 every forward is non-finite
+    losses, _ = _train(copy.deepcopy(model), "mixed_float16", data, 4)
+    assert not any(math.isfinite(x) for x in losses)
+
+    result = abt.tune(model, "mixed_float16", data, nn.functional.mse_loss, steps=8)
+
+    # the first layer out of range ("1"), then the Linear its float32 output overflows when cast
+    # to float16 ("2"); nothing else: the Tanh brings the values back
+    assert result.added == ("1", "2")
+    assert result.finite
+    assert result.policy.compute_dtype == "float16"
+    assert result.policy == ampbridge.preset("mixed_float16").replace(keep_float32=("1", "2"))
+    assert ampbridge.loads(ampbridge.dumps(result.policy)) == result.policy
+    assert result.diff().splitlines() == ['-keep_float32 = []', '+keep_float32 = ["1", "2"]']
+    assert result.evidence["1"].nonfinite == "output" and result.evidence["1"].pinned
+    assert result.evidence["2"].nonfinite == "output" and not result.evidence["0"].pinned
+    assert result.chosen.gap_after is not None and result.chosen.gap_after < 0.05
+    assert "keep_float32" in str(result)
+
+    # the user's model: same weights bit for bit, same dtypes, no hooks left, RNG as it was
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert {k: p.dtype for k, p in model.named_parameters()} == dtypes
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+    # 30 steps with the tuned policy: finite, and the loss falls
+    losses, skipped = _train(copy.deepcopy(model), result.policy, data, 30)
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(skipped) < 10  # only the loss scale's first back-offs
+    assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4
+
+
+def test_tune_compares_compute_dtypes_and_says_why():
+    model = nn.Sequential(nn.Linear(4, 8), Scale(), nn.LayerNorm(8), nn.Linear(8, 1))
+    result = abt.tune(model, "mixed_float16", _data(), nn.functional.mse_loss, steps=4,
+                      dtypes=("float16", "bfloat16"))
+    by_dtype = {c.compute_dtype: c for c in result.candidates}
+    assert by_dtype["float16"].added == ("1",) and by_dtype["float16"].finite
+    assert by_dtype["bfloat16"].added == () and by_dtype["bfloat16"].finite  # bfloat16 holds 1e6
+    assert result.policy.compute_dtype == "bfloat16"
+    assert "fewer pins" in result.reason
+    assert result.diff() == '-compute_dtype = "float16"\n+compute_dtype = "bfloat16"'
+
+
+def test_tune_keeps_a_finite_policy_as_it_is():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    result = abt.tune(model, "mixed_float16", _data(), nn.functional.mse_loss, steps=3)
+    assert result.added == () and result.diff() == "" and result.policy == ampbridge.preset("mixed_float16")
+
+
+def test_tune_refuses_bad_arguments_by_name():
+    model = nn.Sequential(nn.Linear(4, 1))
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        abt.tune(model, "mixed_float16", _data(), nn.functional.mse_loss, steps=0)
+    with pytest.raises(ValueError, match="'int8' is not a compute dtype"):
+        abt.tune(model, "mixed_float16", _data(), nn.functional.mse_loss, dtypes=("int8",))
+    with pytest.raises(ValueError, match="at least one batch"):
+        abt.tune(model, "mixed_float16", [], nn.functional.mse_loss)
