@@ -101,3 +101,39 @@ def test_a_missing_framework_names_its_extra(installed, backend, extra):
     recipes = _run([str(installed["python"]), "-c", "from ampbridge import recipes; print(recipes.detect({'fp16': {}}))"],
                    installed["cwd"])
     assert recipes.returncode == 0 and recipes.stdout.strip() == "deepspeed", recipes.stderr
+
+
+def test_the_metadata_names_python_versions_and_the_extras(installed):
+    metadata = next(zipfile.ZipFile(installed["wheel"]).read(n).decode()
+                    for n in zipfile.ZipFile(installed["wheel"]).namelist() if n.endswith("METADATA"))
+    for version in ("3.11", "3.12", "3.13"):
+        assert f"Classifier: Programming Language :: Python :: {version}" in metadata
+    for extra in ("torch", "keras", "tensorflow", "jax", "all"):
+        assert f"Provides-Extra: {extra}" in metadata
+    # Keras alone must not bring a TensorFlow of ours (a GPU tensorflow already installed stays)
+    keras_requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")
+                      and 'extra == "keras"' in line]
+    assert keras_requires and not any("tensorflow" in line for line in keras_requires), keras_requires
+
+
+def test_the_sdist_carries_the_docs_the_readme_links_to(tmp_path):
+    pytest.importorskip("setuptools", reason="the sdist is built with this environment's setuptools")
+    import tarfile
+
+    src = tmp_path / "src"
+    for name in (*SOURCES, "docs", "MANIFEST.in"):
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy2(path, src / name)
+    build = _run([sys.executable, "-c", "import setuptools.build_meta as b, sys; print(b.build_sdist(sys.argv[1]))",
+                  str(tmp_path / "dist")], src)
+    assert build.returncode == 0, build.stderr[-3000:]
+    names = tarfile.open(tmp_path / "dist" / build.stdout.strip().splitlines()[-1]).getnames()
+    linked = sorted({link for link in __import__("re").findall(r"\((docs/[\w./-]+\.md)", (ROOT / "README.md").read_text())})
+    assert linked, "the README links no docs/ page"
+    from ampbridge import __version__
+
+    assert [link for link in linked if f"ampbridge-{__version__}/{link}" not in names] == []
