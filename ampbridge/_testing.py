@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -192,3 +193,35 @@ def fuzz_settings(default: int, fuzz: int, **overrides: object) -> object:
         options["database"] = None
     options.update(overrides)
     return settings(**options)
+
+
+def lowered_ops(stablehlo_text: str) -> "collections.Counter[str]":
+    """The operations of a lowered (StableHLO) program, by name, less the function frame."""
+    import collections
+
+    ops = re.findall(r"\b((?:stablehlo|chlo|mhlo|func|sdy)\.\w+)", stablehlo_text)
+    return collections.Counter(op for op in ops if op not in ("func.func", "func.return"))
+
+
+def compiled_instructions(hlo_text: str) -> int:
+    """The instructions of an optimised HLO module (every computation, fusions' bodies included)."""
+    return sum(1 for line in hlo_text.splitlines() if re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+ = ", line))
+
+
+# what an optimised HLO module's ENTRY lists without launching anything
+_NOT_KERNELS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done")
+
+
+def compiled_kernels(hlo_text: str) -> int:
+    r"""Kernels a compiled XLA step runs: its optimised module's ENTRY instructions (each fusion,
+    dot, custom call or loop is one), less those that launch none. Counted by the JAX benchmark and
+    held by tests/backend_jax/test_step_counts.py.
+
+    Example:
+        >>> compiled_kernels("ENTRY %main {\n  %p = f32[] parameter(0)\n  ROOT %f = f32[] fusion(%p)\n}")
+        1
+    """
+    entry = hlo_text[hlo_text.index("ENTRY"):]
+    body = entry[entry.index("{") + 1:entry.index("\n}")]
+    ops = re.findall(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = [^=]*?\b([a-z][\w\-]*)\(", body, flags=re.M)
+    return sum(1 for op in ops if op not in _NOT_KERNELS)

@@ -39,7 +39,6 @@ Usage: python benchmarks/bench_jax.py [--rounds 31] [--steps 20] [--dim 64] [--m
 from __future__ import annotations
 
 import argparse
-import collections
 import re
 import statistics
 import sys
@@ -55,33 +54,12 @@ import optax
 
 import ampbridge
 import ampbridge.jax as abj
+from ampbridge._testing import compiled_instructions, compiled_kernels, lowered_ops
 from ampbridge.cli.demo.flax_model import build, loss_fn
 from ampbridge.cli.demo.model import Config, batches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _stats import spread  # noqa: E402
-
-
-def lowered_ops(text: str) -> collections.Counter:
-    ops = re.findall(r"\b((?:stablehlo|chlo|mhlo|func|sdy)\.\w+)", text)
-    return collections.Counter(op for op in ops if op not in ("func.func", "func.return"))
-
-
-def compiled_instructions(text: str) -> int:
-    return sum(1 for line in text.splitlines() if re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+ = ", line))
-
-
-#: ENTRY instructions that launch no kernel on the CPU (arguments, views, tuples, constants)
-_NOT_KERNELS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done")
-
-
-def entry_kernels(text: str) -> int:
-    """Kernels the compiled step runs: the optimised module's ENTRY instructions (each fusion,
-    dot, custom call or loop is one), less those that launch none (``_NOT_KERNELS``)."""
-    entry = text[text.index("ENTRY"):]
-    body = entry[entry.index("{") + 1:entry.index("\n}")]
-    ops = re.findall(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = [^=]*?\b([a-z][\w\-]*)\(", body, flags=re.M)
-    return sum(1 for op in ops if op not in _NOT_KERNELS)
 
 
 def host_callbacks(text: str) -> int:
@@ -190,7 +168,7 @@ def measure(name: str, args) -> list[str]:
     ops_a, ops_j = lowered_ops(text_a), lowered_ops(text_j)
     compiled_a, compiled_j = lowered_a.compile(), lowered_j.compile()
     inst_a, inst_j = compiled_instructions(compiled_a.as_text()), compiled_instructions(compiled_j.as_text())
-    kern_a, kern_j = entry_kernels(compiled_a.as_text()), entry_kernels(compiled_j.as_text())
+    kern_a, kern_j = compiled_kernels(compiled_a.as_text()), compiled_kernels(compiled_j.as_text())
 
     # same numbers first: the comparison is only fair if both steps compute the same thing
     pa, sa = params, state_a

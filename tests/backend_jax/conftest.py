@@ -103,3 +103,29 @@ class Inspect:
 @pytest.fixture
 def inspect():
     return Inspect()
+
+
+def output_dtypes(fn, variables, x) -> dict[str, str]:
+    """Each linen module's first floating output dtype in ``fn(variables, x)``, by module path, seen
+    by flax's own method interceptor (outside ampbridge's)."""
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    seen: dict[str, str] = {}
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.method_name == "__call__":
+            leaves = [t for t in jax.tree_util.tree_leaves(out) if jnp.issubdtype(t.dtype, jnp.floating)]
+            seen.setdefault(".".join(context.module.path), str(leaves[0].dtype))
+        return out
+
+    with nn.intercept_methods(record):
+        fn(variables, x)
+    return seen
+
+
+@pytest.fixture(scope="session")
+def outputs():
+    """:func:`output_dtypes` (session-scoped: hypothesis tests take it too)."""
+    return output_dtypes

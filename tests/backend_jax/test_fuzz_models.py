@@ -130,24 +130,9 @@ def _paths(case):
     return paths
 
 
-def _outputs(fn, variables, x):
-    seen = {}
-
-    def record(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        if context.method_name == "__call__":
-            leaves = [t for t in jax.tree_util.tree_leaves(out) if jnp.issubdtype(t.dtype, jnp.floating)]
-            seen.setdefault(".".join(context.module.path), str(leaves[0].dtype))
-        return out
-
-    with nn.intercept_methods(record):
-        fn(variables, x)
-    return seen
-
-
-@given(cases())
+@given(case=cases())
 @SETTINGS
-def test_random_models_and_pins_train_like_the_hand_pinned_model(case):
+def test_random_models_and_pins_train_like_the_hand_pinned_model(case, outputs):
     import warnings
 
     from ampbridge.errors import AmpBridgeWarning
@@ -223,7 +208,7 @@ def test_random_models_and_pins_train_like_the_hand_pinned_model(case):
 
     # what each module hands its caller: under jmp's convention, its policy's output dtype (the
     # native wrapper casts after the module returns; ampbridge casts as the module returns)
-    seen = _outputs(lambda v, z: amp.apply(v, z), {"params": pa}, x)
+    seen = outputs(lambda v, z: amp.apply(v, z), {"params": pa}, x)
     rows = {r.path: r for r in plan.rows}
     for path in _paths(case):
         expected = "float32" if path in pinned else compute

@@ -86,23 +86,7 @@ def _loss(logits, target):
     return jnp.mean((logits.astype(jnp.float32) - target) ** 2)  # the huge target overflows float32
 
 
-def _outputs(module, params, ids):
-    """Every module's output dtype (flax's own interceptor, outside ampbridge's)."""
-    seen = {}
-
-    def record(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        if context.method_name == "__call__":
-            leaves = [t for t in jax.tree_util.tree_leaves(out) if jnp.issubdtype(t.dtype, jnp.floating)]
-            seen.setdefault(".".join(context.module.path), str(leaves[0].dtype))
-        return out
-
-    with nn.intercept_methods(record):
-        module(params, ids)
-    return seen
-
-
-def test_residual_decoder_trains_bit_identical_to_jmp_hand_pinning(bits_equal):
+def test_residual_decoder_trains_bit_identical_to_jmp_hand_pinning(bits_equal, outputs):
     native_model, our_model = Decoder(native=True), Decoder()
     batches = _batches()
     params = our_model.init(jax.random.key(0), batches[0][0])["params"]
@@ -147,8 +131,8 @@ def test_residual_decoder_trains_bit_identical_to_jmp_hand_pinning(bits_equal):
     assert scales == [1024.0, 1024.0, 2048.0, 1024.0, 1024.0]  # step 2 overflowed: skipped, backed off
     assert int(abj.loss_scale(sa).skipped) == 1
 
-    seen_n = _outputs(lambda v, x: native_model.apply(v, x), {"params": pn}, batches[0][0])
-    seen_a = _outputs(lambda v, x: amp.apply(v, x), {"params": pa}, batches[0][0])
+    seen_n = outputs(lambda v, x: native_model.apply(v, x), {"params": pn}, batches[0][0])
+    seen_a = outputs(lambda v, x: amp.apply(v, x), {"params": pa}, batches[0][0])
     assert seen_a == seen_n
     assert (seen_a["embed"], seen_a["block0.norm"], seen_a["block0.fc"], seen_a["block0"]) == (
         "float32", "float32", "float16", "float16")

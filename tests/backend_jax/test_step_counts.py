@@ -11,10 +11,8 @@ reducing each leaf on its own costs 140 instructions inside the same 76 kernels 
 
 from __future__ import annotations
 
-import collections
-import re
 
-from ampbridge._testing import require
+from ampbridge._testing import compiled_instructions, compiled_kernels, lowered_ops, require
 
 jax = require("jax")
 jmp = require("jmp")
@@ -32,26 +30,6 @@ import ampbridge.jax as abj  # noqa: E402
 # 2, 314, 819, still 76 kernels
 MEASURED_ON = "0.10.2"
 MAX_STATE_LEAVES, MAX_LOWERED_OPS, MAX_INSTRUCTIONS = 2, 314, 819
-
-#: ENTRY instructions that launch no kernel (arguments, views, tuples, constants)
-_NOT_KERNELS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done")
-
-
-def lowered_ops(text):
-    ops = re.findall(r"\b((?:stablehlo|chlo|mhlo|func|sdy)\.\w+)", text)
-    return sum(collections.Counter(op for op in ops if op not in ("func.func", "func.return")).values())
-
-
-def instructions(text):
-    return sum(1 for line in text.splitlines() if re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+ = ", line))
-
-
-def kernels(text):  # as benchmarks/bench_jax.py's entry_kernels counts them
-    entry = text[text.index("ENTRY"):]
-    body = entry[entry.index("{") + 1:entry.index("\n}")]
-    ops = re.findall(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = [^=]*?\b([a-z][\w\-]*)\(", body, flags=re.M)
-    return sum(1 for op in ops if op not in _NOT_KERNELS)
-
 
 class MLP(nn.Module):
     @nn.compact
@@ -96,10 +74,10 @@ def test_the_mlp_step_is_no_bigger_than_measured():
     lowered = jax.jit(step).lower(params, opt_state, x, y)
     lowered_j = jax.jit(jmp_step).lower(params, inner.init(params), jnp.float32(2.0 ** 15), jnp.int32(0), x, y)
     leaves = len(jax.tree_util.tree_leaves(opt_state))
-    ops, ops_j = lowered_ops(lowered.as_text()), lowered_ops(lowered_j.as_text())
+    ops, ops_j = sum(lowered_ops(lowered.as_text()).values()), sum(lowered_ops(lowered_j.as_text()).values())
     compiled, compiled_j = lowered.compile().as_text(), lowered_j.compile().as_text()
-    inst, inst_j = instructions(compiled), instructions(compiled_j)
-    kern, kern_j = kernels(compiled), kernels(compiled_j)
+    inst, inst_j = compiled_instructions(compiled), compiled_instructions(compiled_j)
+    kern, kern_j = compiled_kernels(compiled), compiled_kernels(compiled_j)
     counts = (f"state leaves {leaves}, lowered ops {ops} (jmp {ops_j}), instructions {inst} (jmp {inst_j}), "
               f"kernels {kern} (jmp {kern_j})")
     assert leaves <= MAX_STATE_LEAVES, counts  # jmp's DynamicLossScale: 2
