@@ -138,12 +138,11 @@ def test_residual_decoder_trains_bit_identical_to_jmp_hand_pinning(bits_equal, o
         "float32", "float32", "float16", "float16")
 
 
-@pytest.mark.xfail(strict=True, reason="known, open: the model's own call casts its inputs to the compute dtype "
-                   "before a pinned first layer sees them (jmp's convention; torch and Keras hand it float32); not "
-                   "casting there breaks a root that computes on its inputs itself (test_decode's NNX Codec)")
 def test_a_pinned_first_layer_gets_the_models_inputs_unrounded():
-    """Found by the Flax model fuzzer: the model's own call casts its inputs to float16 before a
-    pinned first layer sees them, so 1e5 arrives as inf (torch and Keras hand it float32)."""
+    """Found by the Flax model fuzzer: the model's own call cast its inputs to float16 before a
+    pinned first layer saw them, so 1e5 arrived as inf. Now a layer that receives a model input
+    unchanged gets the input itself (torch and Keras hand it float32); the root's own code still
+    computes on the cast inputs (test_decode's NNX Codec)."""
     from flax import nnx
 
     class Linen(nn.Module):

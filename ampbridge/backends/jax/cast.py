@@ -1,7 +1,8 @@
 """Casting pytrees (equinox, haiku, a params dict): floating leaves only, whole trees or per Plan
 row of the module owning each leaf.
 
-Holds: cast, cast_to_compute, cast_to_param, cast_to_output, _cast_leaf, _cast_tree, _row_for.
+Holds: cast, cast_to_compute, cast_to_param, cast_to_output, _cast_leaf, _cast_tree, _cast_model_inputs,
+_uncast_model_inputs, _row_for.
 """
 
 from __future__ import annotations
@@ -27,6 +28,33 @@ def _cast_leaf(x: Any, to: np.dtype) -> Any:
 
 def _cast_tree(tree: Any, to: np.dtype) -> Any:
     return jax.tree_util.tree_map(lambda x: _cast_leaf(x, to), tree)
+
+
+def _cast_model_inputs(tree: Any, to: np.dtype, originals: dict[int, tuple[Any, Any]]) -> Any:
+    """The model's own call casts its inputs (the root's code computes in the compute dtype) and
+    remembers each cast leaf's original, so that :func:`_uncast_model_inputs` can hand a layer that
+    receives a model input unchanged the input itself, as torch (a module under
+    ``autocast(enabled=False)``) and Keras (a float32 layer) do: a pinned first layer then sees 1e5,
+    not float16's inf."""
+    def cast(x: Any) -> Any:
+        y = _cast_leaf(x, to)
+        if y is not x:
+            originals[id(y)] = (y, x)  # the cast leaf kept alive with its id: no reuse while remembered
+        return y
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def _uncast_model_inputs(tree: Any, originals: dict[int, tuple[Any, Any]]) -> Any:
+    """Each leaf that is (the very object) one of the model's cast inputs, back to the original."""
+    if not originals:
+        return tree
+
+    def original(x: Any) -> Any:
+        hit = originals.get(id(x))
+        return hit[1] if hit is not None and hit[0] is x else x
+
+    return jax.tree_util.tree_map(original, tree)
 
 
 def _row_for(plan: Plan, path: str) -> PlanRow | None:

@@ -19,7 +19,7 @@ import numpy as np
 from ...core.matching import join_path
 from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
-from .cast import _cast_tree
+from .cast import _cast_model_inputs, _cast_tree, _uncast_model_inputs
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _floating, _is_float_array, _linen
 from .layers import (
     _class_name,
@@ -199,6 +199,7 @@ class _LinenInterceptor:
         self.chains: dict[int, tuple] = {}  # id(module) -> (module, its chain), for this trace
         self.calling: list[str] = []  # paths of the module calls in progress, outermost first
         self.callers: dict[str, str] = {}  # path -> the module whose code first called it (record only)
+        self.model_inputs: dict[int, tuple[Any, Any]] = {}  # the outermost call's cast inputs -> originals
 
     def __call__(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
@@ -223,6 +224,10 @@ class _LinenInterceptor:
         watch = _watched(self.resolver, path)
         attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
         outermost = self.depth == 0
+        if outermost:
+            self.model_inputs = {}
+        else:
+            args, kwargs = _uncast_model_inputs((args, kwargs), self.model_inputs)
         key = None
         if self.memo is not None and not outermost and watch is None and self.observer is None:
             with _attributes(module, **attrs):
@@ -233,7 +238,10 @@ class _LinenInterceptor:
             if hit is not None:
                 self.memo_params[path] = hit.params
                 return hit.out
-        args, kwargs = _cast_tree((args, kwargs), compute)
+        if outermost:
+            args, kwargs = _cast_model_inputs((args, kwargs), compute, self.model_inputs)
+        else:
+            args, kwargs = _cast_tree((args, kwargs), compute)
         if watch is not None and watch[1]:
             args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
         entered = self.entered
@@ -247,6 +255,8 @@ class _LinenInterceptor:
                 out = next_fun(*args, **kwargs)
         finally:
             self.depth -= 1
+            if outermost:
+                self.model_inputs = {}
             if self.record is not None:
                 self.calling.pop()
             if self.memo is not None:

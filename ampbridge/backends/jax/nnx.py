@@ -20,7 +20,7 @@ import numpy as np
 from ...core.matching import join_path
 from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
-from .cast import _cast_tree
+from .cast import _cast_model_inputs, _cast_tree, _uncast_model_inputs
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _is_float_array, _nnx
 from .layers import (
     _author_dtypes,
@@ -228,7 +228,13 @@ def _wrap_method(name: str, original: Callable) -> Callable:
             active = _ACTIVE.ids = set()
         compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
         compute = _DTYPES[compute_name]
-        args, kwargs = _cast_tree((args, kwargs), compute)
+        outermost = not active
+        if outermost:
+            _ACTIVE.model_inputs = {}
+            args, kwargs = _cast_model_inputs((args, kwargs), compute, _ACTIVE.model_inputs)
+        else:
+            args, kwargs = _cast_tree(_uncast_model_inputs((args, kwargs), getattr(_ACTIVE, "model_inputs", {})),
+                                      compute)
         if id(self) in active:  # one of its own methods calling another: parameters already cast
             out = _cast_tree(original(self, *args, **kwargs), _DTYPES[output_name])
             return out if final_name is None else _cast_tree(out, _DTYPES[final_name])
@@ -248,6 +254,8 @@ def _wrap_method(name: str, original: Callable) -> Callable:
                 out = original(self, *args, **kwargs)
         finally:
             active.discard(id(self))
+            if outermost:
+                _ACTIVE.model_inputs = {}
             for var, value in zip(own, stored):
                 var.set_value(value)
         _cast_caches(self, compute)
