@@ -17,7 +17,7 @@ Reported:
   each round ``--steps`` steps; the ratio is the median over rounds of ampbridge / jmp, with its
   interquartile range and the number of rounds.
 
-Where the MLP's time goes (issue 24 reported 1.13-1.18 there): XLA's CPU profile
+Where the MLP's time goes (an earlier measurement reported 1.13-1.18 there): XLA's CPU profile
 (``jax.profiler`` with ``create_perfetto_trace=True``, durations summed per fusion) shows the two
 compiled programs run the same kernels: the same 5 YNNPACK dot fusions and 4 Eigen dots (the
 ``operand_precision=highest`` ampbridge's matmul_precision puts on its dots changes no kernel on

@@ -1,4 +1,4 @@
-"""Run the peers' ported loss-scale tests and rewrite their table in docs/porting.md (issue 38).
+"""Run the peers' ported loss-scale tests and rewrite their table in docs/porting.md.
 
     PYTHONPATH=$PWD python benchmarks/ported_tests_table.py            # run, print and rewrite the table
     PYTHONPATH=$PWD python benchmarks/ported_tests_table.py --check    # run and print only

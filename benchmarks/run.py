@@ -20,6 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 OUT = HERE.parent / "docs" / "benchmarks.md"
+BENCH_SECTION = "## bench_"  # a script's own section; any other section is hand-written and kept
 GPU_NOTE = ("GPU: `python benchmarks/gpu.py` (under 8 minutes on one GPU) checks every torch Plan row's CUDA claim against the dispatcher, parity with native AMP (torch, Keras, JAX), the float16/bfloat16 speedup over float32 and peak memory, and writes docs/gpu.md. No GPU has been lent to this project yet, so there is no GPU table: everything below ran on the CPU; CI runs `gpu.py --dry-run` (tests/backend_torch/test_gpu_script.py) so the script cannot rot.")
 PACKAGES = ("ampbridge", "torch", "tensorflow-cpu", "keras", "jax", "jaxlib", "flax", "optax", "jmp", "numpy")
 
@@ -53,12 +54,23 @@ def _merged(new: list[str]) -> tuple[str | None, list[str]]:
     page's machine lines (they describe the other sections) and gives its own sections theirs."""
     stamp = " ".join(line.removeprefix("- ") for line in machine()[:2])
     new = [section.rstrip("\n") + f"\n\n(this section: {stamp})\n" for section in new]
-    text = OUT.read_text() if OUT.exists() else ""
-    header, *old = text.split("\n## ")
-    by_name = {("## " + s).split("\n", 1)[0]: "## " + s.rstrip("\n") + "\n" for s in old}
+    header, old = _page()
+    by_name = {s.split("\n", 1)[0]: s for s in old if s.startswith(BENCH_SECTION)}
     for section in new:
         by_name[section.split("\n", 1)[0]] = section
-    return (header.rstrip("\n") + "\n\n" if old else None), [by_name[k] for k in sorted(by_name)]
+    return (header if old else None), [by_name[k] for k in sorted(by_name)]
+
+
+def _page() -> tuple[str, list[str]]:
+    """The existing page's header and its sections, each starting with its ``## `` line."""
+    text = OUT.read_text() if OUT.exists() else ""
+    header, *old = text.split("\n## ")
+    return header.rstrip("\n") + "\n\n", ["## " + s.rstrip("\n") + "\n" for s in old]
+
+
+def _hand_written() -> list[str]:
+    """The page's sections no script writes (the CI and test-suite times): every run keeps them."""
+    return [s for s in _page()[1] if not s.startswith(BENCH_SECTION)]
 
 
 def main(argv: list[str]) -> int:
@@ -90,7 +102,7 @@ def main(argv: list[str]) -> int:
                       "against the native equivalent measured in the same process; every timed row gives its median, "
                       "interquartile range (IQR) and number of rounds.\n\n" + GPU_NOTE + "\n\n"
                       + "\n".join(machine()) + "\n\n")
-        OUT.write_text(header + "\n".join(sections))
+        OUT.write_text(header + "\n".join(_hand_written() + sections))
         print(f"written to {OUT}")
     return status
 

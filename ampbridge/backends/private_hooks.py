@@ -1,7 +1,7 @@
 """Every private framework name the backends use, in one place, with the versions it was checked
 on and the test that breaks when it changes; and the releases each framework is tested on.
 
-Framework-free data (issue 22). ``tests/backend_<fw>/test_private_hooks.py`` scans each backend
+Framework-free data (docs/versions.md). ``tests/backend_<fw>/test_private_hooks.py`` scans each backend
 (:func:`scan`) and fails when a private name is used that is not listed here, or a listed one is
 no longer used. The backends' version errors quote :func:`tested_range`; ``constraints-min.txt``
 pins the floors below and ``constraints.txt`` the newest (``tests/core/test_versions.py``).

@@ -62,7 +62,7 @@ def _set(obj: Any, **values: Any) -> None:
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """Loss-scale settings; see DESIGN.md "Loss scaling: the reference algorithm".
+    """Loss-scale settings; the algorithm: ``ampbridge/core/loss_scale.py`` (docs/policy.md).
 
     Example:
         >>> LossScaleConfig(growth_interval=100).resolve("float16").mode

@@ -441,7 +441,7 @@ def _keep_or_skip(take: jax.Array, updates: Any, inner_state: Any, old_inner_sta
 
 def _verify_first_update(finite: jax.Array, before: LossScaleState, after: LossScaleState, proposed: Any,
                          returned: Any) -> bool:
-    """The first-step guard (issue 22), run on the host once, on the first update called with
+    """The first-step guard (docs/versions.md), run on the host once, on the first update called with
     values (inside ``jit`` nothing can be read: it waits for an eager call, and costs nothing).
     A finite step must advance ``steps`` by one and return the inner transformation's updates;
     else raises :class:`ampbridge.errors.UnsupportedOptionError` naming the jax and optax versions.

@@ -256,7 +256,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads = list(grads)
         if len(grads) > len(self._trainable_variables):
             # zip would drop gradients: Keras 3.7-3.11 left _trainable_variables empty, and every
-            # step updated nothing (issue 22). Checked in Python, so traced steps pay nothing
+            # step updated nothing (docs/versions.md). Checked in Python, so traced steps pay nothing
             raise UnsupportedOptionError(
                 f"ampbridge.keras.LossScaleOptimizer: {len(grads)} gradients for {len(self._trainable_variables)} "
                 f"variables the optimizer was built with on {_framework_versions()}; build it with the "
@@ -376,7 +376,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # --- the first-step guard: Keras changing its hooks must not mean steps that update nothing ---
 
     def _verified_apply(self, grads: Any, trainable_variables: Any) -> None:
-        """The first ``apply``, checked once (issue 22: on Keras 3.7-3.11 an older ampbridge ran
+        """The first ``apply``, checked once (docs/versions.md: on Keras 3.7-3.11 an older ampbridge ran
         every step and updated nothing). When traced (a compiled ``fit``), that the step reached
         ampbridge's hooks and handed the inner optimizer every gradient; when eager, also that a
         finite step advanced the inner optimizer's ``iterations`` (two reads, once). Raises

@@ -133,7 +133,7 @@ def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     """The Plan of a Keras model under a policy: one row per layer, what will actually run.
 
     Rows where Keras itself overrides the request say so in their ``note`` (norm layers
-    normalise in float32 whatever their compute dtype; see the README's Keras section).
+    normalise in float32 whatever their compute dtype; see docs/keras.md).
 
     Example:
         >>> import keras, ampbridge

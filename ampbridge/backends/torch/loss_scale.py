@@ -218,7 +218,7 @@ class GradScaler(torch.amp.GradScaler):
         return None
 
     def _verified_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """The first ``step``, checked once (issue 22): a finite step must run ``optimizer.step``
+        """The first ``step``, checked once (docs/versions.md): a finite step must run ``optimizer.step``
         (seen by a public step post-hook, removed right after), else torch's ``GradScaler`` changed
         under ampbridge's overrides and training would silently not update: raises
         :class:`ampbridge.errors.UnsupportedOptionError` naming the torch version. No extra host
