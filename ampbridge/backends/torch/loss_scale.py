@@ -171,8 +171,9 @@ class GradScaler(torch.amp.GradScaler):
         """Scale 1 (mode "none") needs no ``scale(loss)``: a plain ``loss.backward()`` is exact, as in a
         native bfloat16 loop (Fabric's bf16 without ``fabric.backward``); only the state is missing."""
         if self._enabled and self.config.mode == "none" and self._scale is None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._lazy_init_scale_growth_tracker(params[0].device if params else torch.device(self._device))
+            first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+            if first is not None:  # no parameters: nothing to step, torch's own check may speak
+                self._lazy_init_scale_growth_tracker(first.device)
 
     def unscale_(self, optimizer: Any) -> None:
         self._scale_one_if_never_scaled(optimizer)
