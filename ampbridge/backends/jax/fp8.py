@@ -3,14 +3,15 @@
 A linen layer the Plan marks float8 (``Dense``, ``DenseGeneral``, ``Einsum``: the layers with a
 ``dot_general_cls`` field) runs with ``dot_general_cls`` set, for its call, to Flax's
 ``Fp8DirectDotGeneralOp`` (``Fp8Einsum`` for ``Einsum``) with the table's ``amax_history`` as
-``amax_history_length`` and its formats as ``e4m3_dtype``/``e5m2_dtype``: exactly the model
+``amax_history_length``: exactly the model
 written by hand with those classes, scales and amax histories in the ``_overwrite_with_gradient``
 collection (``flax.training.train_state.TrainState.apply_gradients`` overwrites them with their
 "gradients"). That is the reference's *delayed* scaling (:mod:`ampbridge.core.fp8`); Flax quantizes
 each step with the updated scale. On CPU XLA emulates the float8 dot.
 
 Refused by name: ``scaling = "current"``, ``amax_compute = "most_recent"``, ``margin`` other than 0
-(Flax's ``fp8_ops`` compute the scale with margin 0), and a matched module without
+(Flax's ``fp8_ops`` compute the scale with margin 0), formats other than e4m3 forward / e5m2
+backward (``fp8_scaled_dot_general`` hard-codes them), and a matched module without
 ``dot_general_cls``. NNX models are not realised (refused by name).
 
 Holds ``REALISED_BY``, ``check``, ``dot_general_cls``, ``fp8_call`` and ``mark_rows``.
@@ -53,13 +54,16 @@ def check(policy: Policy) -> None:
     if fp8.margin != 0:
         raise UnsupportedOptionError(f"fp8.margin = {fp8.margin} is not realised on Flax: its fp8_ops compute "
                                      f"the scale with margin 0; write margin = 0")
+    for key, wanted in (("forward", "e4m3"), ("backward", "e5m2")):
+        if getattr(fp8, key) != wanted:
+            raise UnsupportedOptionError(f"fp8.{key} = {getattr(fp8, key)!r} is not realised on Flax: its fp8_ops "
+                                         f"dot_general casts to float8_e4m3fn forward and float8_e5m2 backward")
 
 
 def dot_general_cls(module: Any, row: PlanRow, policy: Policy) -> Any:
     """The fp8_ops class (with the table's settings) ``module`` runs with, or None when not float8."""
     if not row.fp8:
         return None
-    import jax.numpy as jnp
     from flax.linen import fp8_ops
 
     if isinstance(module, fp8_ops.Fp8DotGeneralBase):
@@ -68,11 +72,8 @@ def dot_general_cls(module: Any, row: PlanRow, policy: Policy) -> Any:
         raise UnsupportedOptionError(
             f"fp8.match puts {row.path or '(root)'!r} ({row.class_name}) in float8, but Flax's fp8_ops replace "
             f"the dot_general of Dense, DenseGeneral and Einsum only; match those (kind:linear or their paths)")
-    formats = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
     op = fp8_ops.Fp8Einsum if type(module).__name__ == "Einsum" else fp8_ops.Fp8DirectDotGeneralOp
-    fp8 = policy.fp8
-    return functools.partial(op, amax_history_length=fp8.amax_history,
-                             e4m3_dtype=formats[fp8.forward], e5m2_dtype=formats[fp8.backward])
+    return functools.partial(op, amax_history_length=policy.fp8.amax_history)
 
 
 @contextlib.contextmanager
