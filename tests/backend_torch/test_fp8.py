@@ -5,6 +5,8 @@ and what torch refuses by name."""
 import copy
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -127,12 +129,20 @@ def test_a_phase_turns_fp8_on_after_warm_up_and_the_parameters_stay_the_optimize
     (Fp8Config(("kind:linear",)), 'fp8.scaling = "delayed" is not realised on torch'),
     (Fp8Config(("kind:linear",), scaling="current", margin=1), "fp8.margin = 1 is not realised on torch"),
     (Fp8Config(("norm",), scaling="current"), "'norm' (LayerNorm) in float8, but torchao converts"),
+    (Fp8Config(("type:Net",), scaling="current"), "fp8.match matches the model itself"),
 ])
 def test_what_torchao_cannot_carry_is_refused_by_name(fp8, says):
     model = Net()
     with pytest.raises(ampbridge.UnsupportedOptionError, match=says.replace("(", r"\(").replace(")", r"\)")):
         abt.apply(model, Policy(compute_dtype="bfloat16", fp8=fp8))
     assert not any(isinstance(m, Float8Linear) for m in model.modules())  # refused before any change
+
+
+def test_a_policy_without_fp8_does_not_import_torchao():
+    code = ("import sys, torch, ampbridge.torch as abt; abt.apply(torch.nn.Linear(2, 2), 'mixed_bfloat16'); "
+            "assert 'torchao' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_static_plan_says_what_apply_will_run():

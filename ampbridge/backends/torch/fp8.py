@@ -16,6 +16,7 @@ Holds ``realised_by``, ``mark_rows``, ``check``, ``sync``, ``realise`` and ``flo
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -62,6 +63,9 @@ def check(policy: Policy, plan: Plan, model: nn.Module) -> None:
             f"fp8.margin = {fp8.margin} is not realised on torch: torchao's scale is fp8_max / amax with no "
             f"margin; write margin = 0")
     modules = dict(model.named_modules())
+    if plan.rows and plan.rows[0].path == "" and plan.rows[0].fp8:
+        raise UnsupportedOptionError("fp8.match matches the model itself; torchao converts the Linear layers "
+                                     "inside a model: wrap it in a container, or match the layers")
     for row in plan.rows:
         if row.fp8 and not isinstance(modules.get(row.path), nn.Linear):
             raise UnsupportedOptionError(
@@ -108,20 +112,15 @@ def sync(model: nn.Module, policy: Policy, plan: Plan, device_type: str) -> None
     """Make the model's Linear layers float8 exactly where ``plan`` says (swap in, out, or re-config)."""
     check(policy, plan, model)
     wanted = {r.path for r in plan.rows if r.fp8}
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
-        if wanted:
-            float8_config(policy.fp8, device_type)  # raises the named error
-        return
-    config = float8_config(policy.fp8, device_type) if wanted else None
+    if not wanted and "torchao.float8" not in sys.modules:
+        return  # no Float8Linear can be in the model; importing torchao costs seconds
+    config = float8_config(policy.fp8, device_type) if wanted else None  # a missing torchao: the named error
+    from torchao.float8.float8_linear import Float8Linear
+
     for path, module in list(model.named_modules()):
         if isinstance(module, Float8Linear) and (path not in wanted or module.config != config):
             _set(model, path, _plain_linear(module))
     if wanted:
-        if "" in wanted:
-            raise UnsupportedOptionError("fp8.match matches the model itself; torchao converts the Linear "
-                                         "layers inside a model: wrap it in a container")
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model, config=config,
