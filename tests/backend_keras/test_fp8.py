@@ -84,7 +84,7 @@ def test_the_scales_follow_the_reference_trajectory():
     assert tuple(history) == expected.history
 
 
-def test_amax_history_is_carried_and_saved(tmp_path):
+def test_amax_history_is_carried_saved_and_resumed(tmp_path):
     keras.utils.set_random_seed(0)
     model = net()
     ak.apply(model, DELAYED.replace(fp8=DELAYED.fp8.replace(amax_history=16)))
@@ -101,6 +101,8 @@ def test_amax_history_is_carried_and_saved(tmp_path):
     for name, value in saved.items():  # scales and histories resume exactly
         np.testing.assert_array_equal(value, loaded[name], err_msg=name)
     assert again.get_layer("fc1").inputs_amax_history.shape == (16,)
+    more = data(6)[3:]  # resuming trains on exactly as the model that was never saved
+    assert train(again, more) == train(model, more)
 
 
 @pytest.mark.parametrize("fp8,says", [
