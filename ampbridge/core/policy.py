@@ -391,6 +391,8 @@ def check_keys(data: Mapping[str, Any], accepted: tuple[str, ...], path: KeyPath
             hint = did_you_mean(str(key), accepted)
             if hint is None and key in LOSS_SCALE_KEYS and "loss_scale" in accepted:
                 hint = "it belongs in the [loss_scale] table"
+            if hint is None and key in FP8_KEYS and key != "match" and "fp8" in accepted:
+                hint = "it belongs in the [fp8] table"
             out.add(path + (key,), f"unknown key in {what}" + (f"; {hint}" if hint else ""),
                     accepted=", ".join(accepted))
 

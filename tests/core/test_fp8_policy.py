@@ -46,6 +46,8 @@ def test_the_table_is_read_with_its_defaults():
     ('[fp8]\nscaling = "current"\namax_history = 16\n', "p.toml:3: fp8.amax_history", "delayed scaling only"),
     ('fp8 = 1\n', "p.toml:1: fp8", "must be a table"),
     ('[[phase]]\n[phase.fp8]\nmargn = 1\n', "p.toml:3: phase[0].fp8.margn", "did you mean 'margin'"),
+    ('amax_history = 16\n', "p.toml:1: amax_history", "it belongs in the [fp8] table"),
+    ('[fp9]\nmatch = ["fc"]\n', "p.toml:1: fp9", "did you mean 'fp8'"),
 ])
 def test_bad_values_are_one_line_naming_file_key_value_and_what_is_accepted(text, where, says):
     message = error_of(text)
