@@ -137,3 +137,12 @@ def test_the_reference_step_is_flax_fp8_ops(history, amax, fmt, divisor):
     got = delayed_step(state, amax, fmt)
     np.testing.assert_array_equal(np.float32([got.divisor]), np.asarray(new_scale))
     np.testing.assert_array_equal(np.float32(got.history), np.asarray(new_history))
+
+
+def test_nnx_models_refuse_fp8_by_name():
+    from flax import nnx
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ampbridge.UnsupportedOptionError, match=r"\[fp8\] table is not realised on flax.nnx"):
+        abj.apply(model, DELAYED)
+    abj.apply(model, Policy(compute_dtype="bfloat16"))  # without [fp8] as before
