@@ -21,7 +21,7 @@ from .core.io import PRESETS, dump, dumps, load, loads, preset
 from .core.loss_scale import LossScaler, LossScaleState, initial_state, next_state, trajectory
 from .core.matching import KINDS, compile_pattern, join_path
 from .core.plan import Layer, Plan, PlanRow, build_plan, layers_from_data
-from .core.policy import LossScaleConfig, Phase, Policy, Rule
+from .core.policy import Fp8Config, LossScaleConfig, Phase, Policy, Rule
 from .errors import (
     AmpBridgeError,
     AmpBridgeWarning,
@@ -48,6 +48,7 @@ __all__ = [
     "FloatFormat",
     "KINDS",
     "Layer",
+    "Fp8Config",
     "LossScaleConfig",
     "LossScaleError",
     "LossScaleState",

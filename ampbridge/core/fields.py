@@ -239,13 +239,56 @@ TOP_FIELDS: tuple[FieldSpec, ...] = (
               {"type": "array", "items": _PATTERN_SCHEMA}),
 )
 
+#: the float8 formats, by their short names (float8_e4m3fn and float8_e5m2 in the frameworks)
+FP8_FORMATS = ("e4m3", "e5m2")
+#: the largest amax history a policy may ask for (the frameworks keep it as a float32 vector per tensor)
+FP8_MAX_HISTORY = 1 << 20
+#: the largest margin: the scale is divided by 2**margin, and float32 has 127 binades above 1
+FP8_MAX_MARGIN = 64
+
+FP8_FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec("match", check_patterns, (), "layers whose matmuls run in float8 (pins and keep_float32 win; "
+              "empty: FP8 off)", {"type": "array", "items": _PATTERN_SCHEMA}),
+    FieldSpec("forward", _choice(*FP8_FORMATS), "e4m3", "format of activations and weights",
+              {"enum": list(FP8_FORMATS)}),
+    FieldSpec("backward", _choice(*FP8_FORMATS), "e5m2", "format of output gradients",
+              {"enum": list(FP8_FORMATS)}),
+    FieldSpec("scaling", _choice("delayed", "current"), "delayed",
+              "delayed: scale from an amax history of past steps; current: from this step's amax",
+              {"enum": ["delayed", "current"]}),
+    FieldSpec("amax_history", _integer(low=1, high=FP8_MAX_HISTORY, what=f"an integer from 1 to {FP8_MAX_HISTORY}"),
+              1024, "steps of amax kept per tensor (delayed scaling only)",
+              {"type": "integer", "minimum": 1, "maximum": FP8_MAX_HISTORY}),
+    FieldSpec("amax_compute", _choice("max", "most_recent"), "max",
+              "amax taken from the history: its max, or the latest entry (delayed scaling only)",
+              {"enum": ["max", "most_recent"]}),
+    FieldSpec("margin", _integer(low=0, high=FP8_MAX_MARGIN, what=f"an integer from 0 to {FP8_MAX_MARGIN}"), 0,
+              "the scale leaves 2**margin of headroom below the format's max",
+              {"type": "integer", "minimum": 0, "maximum": FP8_MAX_MARGIN}),
+)
+FP8_KEYS: tuple[str, ...] = tuple(f.name for f in FP8_FIELDS)
+#: [fp8] keys that only delayed scaling reads
+FP8_DELAYED_ONLY = ("amax_history", "amax_compute")
+
+
+def check_fp8_consistency(values: Mapping[str, Any], given: "Iterable[str]", where: Callable[[str], KeyPath],
+                          out: "Collector") -> None:
+    """Delayed-only keys set (``given``) under ``scaling = "current"`` are an error, not ignored."""
+    if values.get("scaling") != "current":
+        return
+    for key in FP8_DELAYED_ONLY:
+        if key in given:
+            out.add(where(key), 'is read by delayed scaling only, and scaling = "current"',
+                    value=values.get(key), accepted=f'no {key}, or scaling = "delayed"')
+
+
 #: keys a [[phase]] table may hold besides the top-level settings
 PHASE_BOUNDS = ("until_epoch", "until_step")
 #: top-level keys that are tables or arrays of tables
-TABLE_KEYS = ("override", "loss_scale", "phase", "kinds")
+TABLE_KEYS = ("override", "loss_scale", "phase", "kinds", "fp8")
 TOP_KEYS: tuple[str, ...] = tuple(f.name for f in TOP_FIELDS) + ("extends",) + TABLE_KEYS
 PHASE_KEYS: tuple[str, ...] = PHASE_BOUNDS + tuple(
-    f.name for f in TOP_FIELDS if f.name != "version") + ("override", "loss_scale")
+    f.name for f in TOP_FIELDS if f.name != "version") + ("override", "loss_scale", "fp8")
 LOSS_SCALE_KEYS: tuple[str, ...] = tuple(f.name for f in LOSS_SCALE_FIELDS)
 
 

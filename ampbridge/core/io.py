@@ -32,7 +32,7 @@ from ..errors import BackendUnavailableError, PolicyError, Problem
 from .fields import Collector, KeyPath, key_text
 from .matching import did_you_mean
 from .plan import gc_paused
-from .policy import PRESETS, Policy, build, check_document_shape, policy_to_dict
+from .policy import PRESETS, Policy, build, check_document_shape, merge_fp8, policy_to_dict
 
 __all__ = ["load", "loads", "dumps", "dump", "preset", "PRESETS", "load_with_origins"]
 
@@ -325,7 +325,7 @@ class _Merged:
     origin: dict[KeyPath, _Doc] = field(default_factory=dict)
 
     def where(self, path: KeyPath) -> tuple[str | None, int | None]:
-        head = tuple(path[:2]) if path and path[0] in ("loss_scale", "kinds") else tuple(path[:1])
+        head = tuple(path[:2]) if path and path[0] in ("loss_scale", "kinds", "fp8") else tuple(path[:1])
         doc = self.origin.get(head) or self.origin.get(tuple(path[:1]))
         if doc is None:
             return None, None
@@ -363,6 +363,12 @@ def _merge_into(merged: _Merged, data: Mapping[str, Any], doc: _Doc) -> None:
         if key in ("extends",):
             continue
         # [loss_scale] and [kinds] merge key by key (a [kinds] list replaces the parent's list of that kind)
+        if key == "fp8" and isinstance(value, dict) and isinstance(merged.data.get(key), dict):
+            merged.data[key] = merge_fp8(merged.data[key], value)
+            for sub in value:
+                merged.origin[(key, sub)] = doc
+            merged.origin.setdefault((key,), doc)
+            continue
         if key in ("loss_scale", "kinds") and isinstance(value, dict) and isinstance(merged.data.get(key), dict):
             table = dict(merged.data[key])
             for sub, v in value.items():
@@ -373,7 +379,7 @@ def _merge_into(merged: _Merged, data: Mapping[str, Any], doc: _Doc) -> None:
             continue
         merged.data[key] = value
         merged.origin[(key,)] = doc
-        if key in ("loss_scale", "kinds") and isinstance(value, dict):
+        if key in ("loss_scale", "kinds", "fp8") and isinstance(value, dict):
             for sub in value:
                 merged.origin[(key, sub)] = doc
 

@@ -88,6 +88,18 @@ class PlanRow:
     #: ops of the layer that ran in another dtype than its compute dtype, as ``"op dtype"`` (a trace
     #: saw them: MoE experts' ``_grouped_mm`` that CPU autocast does not cast); shown as a footnote
     other_ops: tuple[str, ...] = ()
+    #: the ``[fp8]`` table's decision: the layer's matmuls take float8 inputs in ``fp8_forward``
+    #: (activations, weights) and ``fp8_backward`` (output gradients), scaled by ``fp8_scaling``;
+    #: ``fp8_by`` names the machinery that realises it (the backend fills it in). None: no float8.
+    fp8_forward: str | None = None
+    fp8_backward: str | None = None
+    fp8_scaling: str | None = None
+    fp8_by: str | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the layer's matmuls run in float8."""
+        return self.fp8_forward is not None
 
     @property
     def kind_text(self) -> str:
@@ -112,7 +124,7 @@ class PlanRow:
     def key(self) -> tuple[Any, ...]:
         """What must agree when the same policy is planned in two frameworks."""
         return (self.path, self.kind, self.compute_dtype, self.param_dtype, self.output_dtype,
-                self.rule, self.inherited_from)
+                self.rule, self.inherited_from, self.fp8_forward, self.fp8_backward, self.fp8_scaling)
 
 
 @dataclass(frozen=True)
@@ -164,7 +176,8 @@ class Plan:
         head = [
             f"Plan{' (' + self.framework + ')' if self.framework else ''}: compute {p.compute_dtype}, "
             f"params {p.param_dtype}, output {p.output_dtype}, reduce {p.reduce_dtype}, "
-            f"loss scale {ls.mode}" + (f" from {ls.initial_scale:g}" if ls.mode in ("dynamic", "static") else ""),
+            f"loss scale {ls.mode}" + (f" from {ls.initial_scale:g}" if ls.mode in ("dynamic", "static") else "")
+            + (f", fp8 {p.fp8.forward}/{p.fp8.backward} {p.fp8.scaling}" if p.fp8.enabled else ""),
         ]
         rows = [r for r in self.rows if not (only_ruled and r.rule == "default")]
         tail = []
@@ -211,7 +224,8 @@ class Plan:
             out.append(f"{path}: only in {self.framework or 'the first plan'}")
         for path in theirs.keys() - mine.keys():
             out.append(f"{path}: only in {other.framework or 'the second plan'}")
-        names = ("path", "kind", "compute_dtype", "param_dtype", "output_dtype", "rule", "inherited_from")
+        names = ("path", "kind", "compute_dtype", "param_dtype", "output_dtype", "rule", "inherited_from",
+                 "fp8_forward", "fp8_backward", "fp8_scaling")
         for path in mine.keys() & theirs.keys():
             for name, a, b in zip(names, mine[path].key(), theirs[path].key()):
                 if a != b:
@@ -296,6 +310,12 @@ class RowResolver:
         self.index = _RuleIndex([patterns for _, _, patterns in self.compiled])
         self._decisions: dict[tuple, tuple[int, str] | None] = {}  # for row(): ancestors repeat
         self.kinds = KindTable(policy.kinds)
+        self.fp8 = [compile_pattern(m) for m in policy.fp8.match]
+
+    def fp8_match(self, layer: Layer) -> int | None:
+        """Index of the first ``[fp8] match`` pattern matching ``layer`` itself, or None."""
+        return next((i for i, p in enumerate(self.fp8) if p.matches(layer.path, layer.kind, layer.class_name)),
+                    None)
 
     def layer(self, layer: Layer) -> Layer:
         """``layer`` with the policy's ``[kinds]`` table applied (explicit beats inferred)."""
@@ -337,9 +357,15 @@ class RowResolver:
             return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count, compute, param, compute,
                            BY_MODEL, None, inherited, kind_source=layer.kind_source)
         if decided is None:
+            fp8 = policy.fp8
+            # pins, overrides and the author's dtypes win: only a row no rule decided runs in float8
+            in_fp8 = self.fp8 and self.fp8_match(layer) is not None
             return PlanRow(layer.path, layer.kind, layer.class_name, layer.param_count,
                            policy.compute_dtype, policy.param_dtype, policy.compute_dtype,
-                           kind_source=layer.kind_source)
+                           kind_source=layer.kind_source,
+                           fp8_forward=fp8.forward if in_fp8 else None,
+                           fp8_backward=fp8.backward if in_fp8 else None,
+                           fp8_scaling=fp8.scaling if in_fp8 else None)
         idx, pattern = decided
         label, rule, _ = self.compiled[idx]
         compute = rule.compute_dtype or policy.compute_dtype
@@ -414,6 +440,10 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
 
     unmatched = tuple(f"{label} ({', '.join(rule.match)})"
                       for i, (label, rule, _) in enumerate(compiled) if i in pending)
+    if resolver.fp8:
+        used = {i for layer in layers for i, p in enumerate(resolver.fp8)
+                if p.matches(layer.path, layer.kind, layer.class_name)}
+        unmatched += tuple(f"fp8.match[{i}] ({p.text})" for i, p in enumerate(resolver.fp8) if i not in used)
     missed = unrecognised_kinds(layers, resolver)
     unlisted = resolver.kinds.unmatched(layer.class_name for layer in layers) if resolver.kinds else []
     broad = broad_rules(rows, resolver)

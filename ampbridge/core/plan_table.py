@@ -52,6 +52,10 @@ class _Footnotes:
 
 def _row_notes(r: Any, notes: _Footnotes) -> list[str]:
     refs = [notes.refer(r.note)] if r.note else []
+    if getattr(r, "fp8_forward", None):
+        by = f", realised by {r.fp8_by}" if r.fp8_by else ""
+        refs.append(notes.refer(f"float8 matmuls: {r.fp8_forward} forward, {r.fp8_backward} backward, "
+                                f"{r.fp8_scaling} scaling{by}"))
     other = getattr(r, "other_ops", ())
     if other:
         refs.append(notes.refer(f"ops in another dtype than the row's {r.compute_dtype}: {', '.join(other)}"))

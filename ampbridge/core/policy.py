@@ -22,6 +22,9 @@ from typing import Any
 from ..errors import PolicyError, Problem
 from .fields import (
     FLOAT32_MAX,
+    FP8_DELAYED_ONLY,
+    FP8_FIELDS,
+    FP8_KEYS,
     LOSS_SCALE_FIELDS,
     LOSS_SCALE_KEYS,
     PHASE_BOUNDS,
@@ -32,6 +35,7 @@ from .fields import (
     Collector,
     KeyPath,
     check_fields,
+    check_fp8_consistency,
     check_kinds,
     check_loss_scale_consistency,
     check_pattern_list,
@@ -39,7 +43,7 @@ from .fields import (
 )
 from .matching import did_you_mean
 
-__all__ = ["Policy", "LossScaleConfig", "Rule", "Phase", "FLOAT32_MAX", "PRESETS"]
+__all__ = ["Policy", "LossScaleConfig", "Fp8Config", "Rule", "Phase", "FLOAT32_MAX", "PRESETS"]
 
 #: The built-in presets (Keras policy names where Keras has one).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -103,6 +107,53 @@ class LossScaleConfig:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in LOSS_SCALE_FIELDS
                 if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The ``[fp8]`` table: which layers' matmuls run in float8, in which formats, scaled how.
+
+    ``match`` empty (the default) means FP8 is off. The scaling is
+    :mod:`ampbridge.core.fp8`'s reference algorithm.
+
+    Example:
+        >>> Fp8Config(match=["kind:linear"], scaling="current").enabled
+        True
+    """
+
+    match: tuple[str, ...] = ()
+    forward: str = "e4m3"
+    backward: str = "e5m2"
+    scaling: str = "delayed"
+    amax_history: int = 1024
+    amax_compute: str = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        out = Collector()
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = check_fields(FP8_FIELDS, raw, lambda k: ("fp8", k), out)
+        check_pattern_list(values["match"], lambda i: ("fp8", "match", i), out)
+        given = [f.name for f in FP8_FIELDS if values[f.name] != f.default]
+        check_fp8_consistency(values, given, lambda k: ("fp8", k), out)
+        out.raise_if_any()
+        _set(self, **values)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.match)
+
+    def replace(self, **changes: Any) -> "Fp8Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key, but not the delayed-only ones under current scaling (the loader refuses them)."""
+        d = {f.name: getattr(self, f.name) for f in FP8_FIELDS}
+        d["match"] = list(self.match)
+        if self.scaling == "current":
+            for key in FP8_DELAYED_ONLY:
+                del d[key]
+        return d
 
 
 @dataclass(frozen=True)
@@ -191,6 +242,7 @@ class Policy:
     keep_float32: tuple[str, ...] = ()
     overrides: tuple[Rule, ...] = ()
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     phases: tuple[Phase, ...] = ()
     version: int = 1
     source: str | None = field(default=None, compare=False, repr=False)
@@ -211,13 +263,18 @@ class Policy:
             loss_scale = LossScaleConfig(**loss_scale)
         if not isinstance(loss_scale, LossScaleConfig):
             out.add(("loss_scale",), "must be a LossScaleConfig or a table", value=loss_scale)
+        fp8 = self.fp8
+        if isinstance(fp8, Mapping):
+            fp8 = Fp8Config(**fp8)
+        if not isinstance(fp8, Fp8Config):
+            out.add(("fp8",), "must be an Fp8Config or a table", value=fp8)
         phases = tuple(self.phases)
         if not all(isinstance(p, Phase) for p in phases):
             out.add(("phase",), "must be a sequence of Phase objects")
         else:
             check_phase_order([(p.unit, p.until) for p in phases], out)
         out.raise_if_any()
-        _set(self, overrides=overrides, loss_scale=loss_scale, phases=phases, **values)
+        _set(self, overrides=overrides, loss_scale=loss_scale, fp8=fp8, phases=phases, **values)
 
     # --- derived views ---
 
@@ -311,6 +368,19 @@ def _over_preset(preset: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str
     merged = {**preset, **data}
     if isinstance(preset.get("loss_scale"), dict) and isinstance(data.get("loss_scale"), dict):
         merged["loss_scale"] = {**preset["loss_scale"], **data["loss_scale"]}
+    if isinstance(preset.get("fp8"), dict) and isinstance(data.get("fp8"), dict):
+        merged["fp8"] = merge_fp8(preset["fp8"], data["fp8"])
+    return merged
+
+
+def merge_fp8(base: Any, over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over``'s [fp8] keys laid over ``base``'s; switching to current scaling drops the delayed-only
+    keys ``over`` does not set itself (they described the inherited delayed scaling)."""
+    merged = {**(base if isinstance(base, dict) else {}), **over}
+    if over.get("scaling") == "current":
+        for key in FP8_DELAYED_ONLY:
+            if key not in over:
+                merged.pop(key, None)
     return merged
 
 
@@ -321,6 +391,8 @@ def check_keys(data: Mapping[str, Any], accepted: tuple[str, ...], path: KeyPath
             hint = did_you_mean(str(key), accepted)
             if hint is None and key in LOSS_SCALE_KEYS and "loss_scale" in accepted:
                 hint = "it belongs in the [loss_scale] table"
+            if hint is None and key in FP8_KEYS and key != "match" and "fp8" in accepted:
+                hint = "it belongs in the [fp8] table"
             out.add(path + (key,), f"unknown key in {what}" + (f"; {hint}" if hint else ""),
                     accepted=", ".join(accepted))
 
@@ -338,6 +410,8 @@ def check_document_shape(data: Any, out: Collector) -> dict[str, Any]:
         else:
             out.add(("loss_scale",), "must be a table", value=data["loss_scale"],
                     accepted="a [loss_scale] table of " + ", ".join(LOSS_SCALE_KEYS))
+    if "fp8" in data:
+        _check_fp8_shape(data["fp8"], ("fp8",), out)
     for key, keys, what in (("override", tuple(f.name for f in RULE_FIELDS), "[[override]]"),
                             ("phase", PHASE_KEYS, "[[phase]]")):
         if key not in data:
@@ -359,7 +433,16 @@ def check_document_shape(data: Any, out: Collector) -> dict[str, Any]:
                                 "[phase.loss_scale]")
                 elif ls is not None:
                     out.add((key, i, "loss_scale"), "must be a table", value=ls)
+                if "fp8" in table:
+                    _check_fp8_shape(table["fp8"], (key, i, "fp8"), out)
     return data
+
+
+def _check_fp8_shape(table: Any, path: KeyPath, out: Collector) -> None:
+    if isinstance(table, dict):
+        check_keys(table, FP8_KEYS, path, out, "[fp8]")
+    else:
+        out.add(path, "must be a table", value=table, accepted="an [fp8] table of " + ", ".join(FP8_KEYS))
 
 
 def build_settings(raw: Mapping[str, Any], where: Callable[[KeyPath], KeyPath], out: Collector) -> dict[str, Any]:
@@ -370,6 +453,10 @@ def build_settings(raw: Mapping[str, Any], where: Callable[[KeyPath], KeyPath], 
     ls_values = check_fields(LOSS_SCALE_FIELDS, ls_raw if isinstance(ls_raw, dict) else {},
                              lambda k: where(("loss_scale", k)), out)
     check_loss_scale_consistency(ls_values, lambda k: where(("loss_scale", k)), out)
+    fp8_raw = raw.get("fp8", {}) if isinstance(raw.get("fp8"), dict) else {}
+    fp8_values = check_fields(FP8_FIELDS, fp8_raw, lambda k: where(("fp8", k)), out)
+    check_pattern_list(fp8_values["match"], lambda i: where(("fp8", "match", i)), out)
+    check_fp8_consistency(fp8_values, fp8_raw, lambda k: where(("fp8", k)), out)
     rules: list[Rule] = []
     overrides = raw.get("override", [])
     if not isinstance(overrides, list):
@@ -391,6 +478,7 @@ def build_settings(raw: Mapping[str, Any], where: Callable[[KeyPath], KeyPath], 
         rules.append(r_values)  # type: ignore[arg-type]
     values["overrides"] = rules
     values["loss_scale"] = ls_values
+    values["fp8"] = fp8_values
     return values
 
 
@@ -398,6 +486,7 @@ def construct(values: dict[str, Any], **extra: Any) -> Policy:
     kwargs = dict(values, **extra)
     kwargs["overrides"] = tuple(Rule(**r) for r in values["overrides"])
     kwargs["loss_scale"] = LossScaleConfig(**values["loss_scale"])
+    kwargs["fp8"] = Fp8Config(**values["fp8"])
     return Policy(**kwargs)
 
 
@@ -419,13 +508,15 @@ def build(data: Mapping[str, Any], source: str | None, out: Collector) -> Policy
                     ls = dict(settings.get("loss_scale", {}) if isinstance(settings.get("loss_scale"), dict) else {})
                     ls.update({sk: sv for sk, sv in v.items() if sk != "reset"})
                     settings["loss_scale"] = ls
+                elif k == "fp8" and isinstance(v, dict):  # [phase.fp8] lays its keys over [fp8]
+                    settings["fp8"] = merge_fp8(settings.get("fp8"), v)
                 else:
                     settings[k] = v
 
             def where(path: KeyPath, i: int = i, table: dict = table) -> KeyPath:
                 head = path[0]
-                if head == "loss_scale" and len(path) > 1:
-                    own = isinstance(table.get("loss_scale"), dict) and path[1] in table["loss_scale"]
+                if head in ("loss_scale", "fp8") and len(path) > 1:
+                    own = isinstance(table.get(head), dict) and path[1] in table[head]
                     return ("phase", i) + tuple(path) if own else tuple(path)
                 return ("phase", i) + tuple(path) if head in table else tuple(path)
 
@@ -463,6 +554,7 @@ def _settings_dict(p: Policy) -> dict[str, Any]:
     d: dict[str, Any] = {k: getattr(p, k) for k in _SETTING_KEYS}
     d["keep_float32"] = list(p.keep_float32)
     d["loss_scale"] = p.loss_scale.to_dict()
+    d["fp8"] = p.fp8.to_dict()
     d["override"] = [r.to_dict() for r in p.overrides]
     return d
 
@@ -474,6 +566,8 @@ def policy_to_dict(p: Policy) -> dict[str, Any]:
     d.update(base)
     if not d["override"]:
         del d["override"]
+    if p.fp8 == Fp8Config() and not any(ph.policy.fp8 != p.fp8 for ph in p.phases):
+        del d["fp8"]  # FP8 untouched: files without it stay as they were
     if p.kinds:
         d["kinds"] = {kind: list(names) for kind, names in p.kinds}
     if p.phases:
@@ -484,7 +578,7 @@ def policy_to_dict(p: Policy) -> dict[str, Any]:
                 entry[f"until_{ph.unit}"] = ph.until
             mine = _settings_dict(ph.policy)
             for k in _SETTING_KEYS + ("override",):
-                if k == "loss_scale":
+                if k in ("loss_scale", "fp8"):
                     continue
                 if mine[k] != base[k]:
                     entry[k] = mine[k]
@@ -493,6 +587,9 @@ def policy_to_dict(p: Policy) -> dict[str, Any]:
                 ls["reset"] = True
             if ls:
                 entry["loss_scale"] = ls
+            fp8 = {k: v for k, v in mine["fp8"].items() if base["fp8"].get(k) != v}
+            if fp8:
+                entry["fp8"] = fp8
             phases.append(entry)
         d["phase"] = phases
     return d

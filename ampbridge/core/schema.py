@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fields import LOSS_SCALE_FIELDS, PHASE_BOUNDS, RULE_FIELDS, TOP_FIELDS, FieldSpec, kinds_schema
+from .fields import FP8_FIELDS, LOSS_SCALE_FIELDS, PHASE_BOUNDS, RULE_FIELDS, TOP_FIELDS, FieldSpec, kinds_schema
 
 SCHEMA_ID = "https://ampbridge.invalid/schema/policy-v1.json"
 
@@ -37,6 +37,8 @@ def json_schema() -> dict[str, Any]:
     rule = {"type": "object", "additionalProperties": False, "required": ["match"],
             "properties": _props(RULE_FIELDS),
             "anyOf": [{"required": [k]} for k in ("compute_dtype", "param_dtype", "output_dtype")]}
+    fp8 = {"type": "object", "additionalProperties": False, "properties": _props(FP8_FIELDS),
+           "description": "float8 matmuls for the matched layers (empty match: off)"}
     settings = _props(TOP_FIELDS)
     phase_props = {k: v for k, v in settings.items() if k != "version"}
     phase_props.update({b: {"type": "integer", "minimum": 1, "description": f"the phase lasts while the "
@@ -47,6 +49,7 @@ def json_schema() -> dict[str, Any]:
         "properties": {**_props(LOSS_SCALE_FIELDS),
                        "reset": {"type": "boolean", "description": "restart the loss-scale state"}},
     }
+    phase_props["fp8"] = fp8
     phase = {"type": "object", "additionalProperties": False, "properties": phase_props,
              "not": {"required": list(PHASE_BOUNDS)}}
     return {
@@ -62,6 +65,7 @@ def json_schema() -> dict[str, Any]:
             "override": {"type": "array", "items": rule,
                          "description": "later rules win over earlier ones and over keep_float32"},
             "loss_scale": loss_scale,
+            "fp8": fp8,
             "phase": {"type": "array", "items": phase, "description": "a precision schedule"},
             "kinds": kinds_schema(),
         },

@@ -17,7 +17,7 @@ import jax
 from ...core.matching import join_path
 from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused
 from ...core.policy import Policy
-from ...errors import AmpBridgeError
+from ...errors import AmpBridgeError, UnsupportedOptionError
 from .cast import _cast_tree
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _linen, _phase_policy, resolve_policy
 from .layers import _Facts, _Resolver
@@ -292,6 +292,9 @@ def apply(module: Any, policy: Policy | str) -> Any:
     if nnx is not None and isinstance(module, nnx.Module):
         _refuse_applied_nnx(module, nnx)
         resolved, notes = resolve_policy(policy)
+        if resolved.fp8.enabled or any(ph.policy.fp8.enabled for ph in resolved.phases):
+            raise UnsupportedOptionError("the [fp8] table is not realised on flax.nnx models (Flax's fp8_ops are "
+                                         "linen modules); use a linen model, or leave [fp8] out")
         return _apply_nnx(module, _phase_policy(resolved), notes)
     raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
                     f"{type(module).__module__}.{type(module).__qualname__}. For plain pytrees "

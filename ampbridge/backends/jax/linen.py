@@ -20,6 +20,8 @@ from ...core.matching import join_path
 from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
 from .cast import _cast_model_inputs, _cast_tree, _uncast_model_inputs
+from .fp8 import check as check_fp8
+from .fp8 import dot_general_cls, fp8_call, mark_rows
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _floating, _is_float_array, _linen
 from .layers import (
     _class_name,
@@ -186,6 +188,7 @@ class _LinenInterceptor:
     def __init__(self, resolver: _Resolver, *, record: dict | None = None,
                  observer: Callable[[Observed], None] | None = None, memo: dict | None = None,
                  fixed: dict | None = None):
+        check_fp8(resolver.policy)  # before any call: [fp8] settings Flax cannot carry are refused by name
         self.resolver = resolver
         self.record = record
         self.fixed = fixed  # path -> the dtypes its author fixed, as this policy runs the model
@@ -251,7 +254,7 @@ class _LinenInterceptor:
         if self.record is not None:
             self.calling.append(path)
         try:
-            with _attributes(module, **attrs):
+            with _attributes(module, **attrs), fp8_call(module, dot_general_cls(module, row, self.resolver.policy)):
                 out = next_fun(*args, **kwargs)
         finally:
             self.depth -= 1
@@ -369,7 +372,7 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
         row = _row_notes(row, facts.get(row.path, _Facts()), policy.output_dtype)
         return with_note(row, join_notes(stream, row.note)) if stream else row
 
-    return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes, adjust=adjust)
+    return mark_rows(build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes, adjust=adjust))
 
 
 def _linen_caller(path: str, callers: Mapping[str, str], record: Mapping[str, tuple]) -> str | None:

@@ -22,6 +22,7 @@ from ...core.matching import compile_pattern
 from ...core.plan import build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
+from . import fp8
 from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
 from .layers import _AUTHOR, _AUTO, _code_caller, _describe, kind_of, layers
 from .plan import _FLOATS, _same_policy, _streams, dtype_policy
@@ -266,6 +267,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         _set_output_cast(layer, wanted if wanted != row.compute_dtype or composite else None)
         if not layer.built:
             _rebuild_hook(layer, model, policy)
+    recast |= fp8.realise(model, active, requested, by_path)  # after the dtype policies: float8 keeps them
     if recast and _backend() == "torch":
         _refresh_torch_params(model)
     for path, layer in by_path.items():

@@ -143,5 +143,7 @@ def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     """
     policy, notes = resolve_policy(policy, warn=warn)
     described, by_path = _describe(model)
-    return build_plan(described, policy, framework=f"keras ({_backend()})",
-                      adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
+    from .fp8 import mark_rows
+
+    return mark_rows(build_plan(described, policy, framework=f"keras ({_backend()})",
+                                adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes))

@@ -43,6 +43,7 @@ from ...core.policy import Policy
 from ...errors import AmpBridgeError, AmpBridgeWarning
 from ..common import environment
 from .environment import _device_type_of, _resolve_for_device
+from . import fp8
 from .forward import _install, _installed, _keep_slow_path, _matmul_precision, _MhaSlowPath, _region, _uninstall
 from .layers import layers
 from .loss_scale import GradScaler, StepResult
@@ -147,7 +148,8 @@ class TorchAmp:
         self._phase_index = policy.phase_index(step=0, epoch=0) if policy.phases else None
         phase_policy = policy.at(step=0, epoch=0)
         resolved, notes = _resolve_for_device(phase_policy, device_type)
-        self._realisation = _realise(model, resolved, device_type, notes=self._env_notes + tuple(notes))
+        self._realisation = fp8.realise(model, resolved, _realise(model, resolved, device_type,
+                                                                notes=self._env_notes + tuple(notes)), device_type)
         self._resolved = resolved
         self._cast_storage(self._realisation)
         self._install(self._realisation)
@@ -412,7 +414,7 @@ def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, de
             return Plan(built.rows, built.policy, "torch", built.unmatched_rules,
                         tuple(notes) + ("a TorchScript module: rows as requested (autocast's per-op behaviour "
                                         "is not inspected)",))
-        return _realise(model, resolved, device_type, notes=notes).plan
+        return fp8.mark_rows(_realise(model, resolved, device_type, notes=notes).plan, device_type)
     if isinstance(model, torch.jit.ScriptModule) or _installed(model) is not None:
         raise ModelNotSupportedError("plan(model, policy, *example_inputs) traces an eager, un-applied model; "
                                      "for an applied one call amp.trace(*example_inputs)")

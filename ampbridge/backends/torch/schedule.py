@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .environment import _resolve_for_device
+from .fp8 import realise as realise_fp8
 from .plan import _realise
 
 log = logging.getLogger("ampbridge.torch")
@@ -56,6 +57,7 @@ def switch_to(amp: Any, index: int | None) -> None:
     resolved, notes = _resolve_for_device(phase_policy, amp.device_type)
     realisation = _realise(amp.model, resolved, amp.device_type, notes=amp._env_notes + tuple(notes))
     amp._uninstall()
+    realisation = realise_fp8(amp.model, resolved, realisation, amp.device_type)
     amp._cast_storage(realisation)
     amp._install(realisation)
     reset = index is not None and amp.policy.phases[index].reset_loss_scale

@@ -1,0 +1,100 @@
+"""FP8 on Keras: the ``[fp8]`` table realised with Keras's own float8 training.
+
+The layers the Plan marks float8 are quantized by ``model.quantize("float8", filters=...)``
+(Keras's ``Dense``/``EinsumDense`` float8 path: delayed scaling with per-tensor float32 scales and
+amax histories kept as model variables that the optimizer overwrites with their "gradients").
+That is the reference's *delayed* scaling (:mod:`ampbridge.core.fp8`) with ``amax_compute = "max"``
+and ``margin = 0``; ``amax_history`` is carried by a ``QuantizedFloat8DTypePolicy`` with that
+``amax_history_length``. Keras quantizes each step with the previous step's scale. The float8
+casts are real on every backend; the matmul runs in the compute dtype on dequantised values.
+
+Refused by name: ``scaling = "current"``, ``amax_compute = "most_recent"``, ``margin`` other
+than 0, formats other than e4m3 forward / e5m2 backward (Keras hard-codes them), a matched
+layer that is not a ``Dense``/``EinsumDense``, a layer not built yet, and a phase that turns FP8
+on after the optimizer is built or off again (Keras cannot undo a quantization).
+
+Holds ``REALISED_BY``, ``mark_rows``, ``check`` and ``realise``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import keras
+
+from ...core.plan import Plan
+from ...core.policy import Policy
+from ...errors import UnsupportedOptionError
+
+REALISED_BY = "Keras float8 quantize"
+_FLOAT8_CLASSES = ("Dense", "EinsumDense")
+
+
+def mark_rows(plan: Plan) -> Plan:
+    """``plan`` with each float8 row's ``fp8_by`` filled in."""
+    if not any(r.fp8 for r in plan.rows):
+        return plan
+    return replace(plan, rows=tuple(replace(r, fp8_by=REALISED_BY) if r.fp8 else r for r in plan.rows))
+
+
+def _is_float8(layer: Any) -> bool:
+    return getattr(layer.dtype_policy, "quantization_mode", None) == "float8"
+
+
+def check(policy: Policy, plan: Plan, by_path: dict[str, Any]) -> None:
+    """Refuse, by name, what Keras's float8 cannot carry (before anything is changed)."""
+    fp8 = policy.fp8
+    for row in plan.rows:
+        layer = by_path[row.path]
+        if _is_float8(layer) and not row.fp8:
+            raise UnsupportedOptionError(
+                f"layer {row.path or '(model)'!r} is float8-quantized and this policy does not put it in float8; "
+                f"Keras cannot undo a quantization (an [fp8] phase can turn FP8 on, not off)")
+    if not fp8.enabled:
+        return
+    refused = {"scaling": ("current", 'Keras float8 scales from an amax history (scaling = "delayed")'),
+               "amax_compute": ("most_recent", 'Keras takes the history\'s max (amax_compute = "max")'),
+               "forward": ("e5m2", "Keras casts inputs and kernels to float8_e4m3fn (forward = \"e4m3\")"),
+               "backward": ("e4m3", "Keras casts output gradients to float8_e5m2 (backward = \"e5m2\")")}
+    for key, (bad, why) in refused.items():
+        if getattr(fp8, key) == bad:
+            raise UnsupportedOptionError(f"fp8.{key} = {bad!r} is not realised on Keras: {why}")
+    if fp8.margin != 0:
+        raise UnsupportedOptionError(f"fp8.margin = {fp8.margin} is not realised on Keras: its float8 layers "
+                                     f"compute the scale with margin 0; write margin = 0")
+    for row in plan.rows:
+        if not row.fp8:
+            continue
+        layer = by_path[row.path]
+        if type(layer).__name__ not in _FLOAT8_CLASSES or not hasattr(layer, "_float8_build"):
+            raise UnsupportedOptionError(
+                f"fp8.match puts {row.path or '(model)'!r} ({row.class_name}) in float8, but Keras trains "
+                f"Dense and EinsumDense layers in float8 only; match those (kind:linear or their paths)")
+        if not layer.built:
+            raise UnsupportedOptionError(f"fp8.match puts {row.path!r} in float8, but it is not built yet; "
+                                         f"build the model (call it once, or keras.Input) before apply")
+
+
+def realise(model: Any, policy: Policy, plan: Plan, by_path: dict[str, Any]) -> bool:
+    """Quantize the Plan's float8 rows with Keras's own float8 (the others are left alone); True if any was."""
+    check(policy, plan, by_path)
+    todo = {id(by_path[r.path]): by_path[r.path] for r in plan.rows if r.fp8 and not _is_float8(by_path[r.path])}
+    if not todo:
+        return False
+    if getattr(getattr(model, "optimizer", None), "built", False):
+        raise UnsupportedOptionError(
+            "[fp8] turns float8 on for layers of a model whose optimizer is already built; Keras's float8 "
+            "scales and amax histories are new variables the optimizer would not know: apply the FP8 policy "
+            "before compiling/training")
+    history = policy.fp8.amax_history
+    if history != keras.dtype_policies.QuantizedFloat8DTypePolicy.default_amax_history_length:
+        # a float8 dtype policy given to a built layer quantizes it with that policy's history length
+        for layer in todo.values():
+            layer.dtype_policy = keras.dtype_policies.QuantizedFloat8DTypePolicy(
+                "float8", source_name=layer.dtype_policy.name, amax_history_length=history)
+    elif "" in plan and id(by_path[""]) in todo:
+        by_path[""].quantize("float8")
+    else:
+        model.quantize("float8", filters=lambda layer: id(layer) in todo)
+    return True
