@@ -88,6 +88,9 @@ class PlanRow:
     #: ops of the layer that ran in another dtype than its compute dtype, as ``"op dtype"`` (a trace
     #: saw them: MoE experts' ``_grouped_mm`` that CPU autocast does not cast); shown as a footnote
     other_ops: tuple[str, ...] = ()
+    #: the framework itself computes inside this layer in float32 whatever its compute dtype (Keras's
+    #: and Flax's norm statistics, a float32 softmax): a trace of the layer's call cannot see those ops
+    float32_inside: bool = False
 
     @property
     def kind_text(self) -> str:
