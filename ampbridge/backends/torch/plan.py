@@ -1,7 +1,8 @@
 """The Plan: the core's rows, corrected by what torch autocast really does with each module on
 the device, and the specs that make the rows true.
 
-Holds ``_behaviour``, ``_bypassed``, ``_author_layers``, ``_Realisation``, ``_realise`` and ``_natural``.
+Holds ``plan`` (the contract's verb: static, traced by ``trace`` when example inputs are given),
+``_Realisation`` and ``_realise``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,8 +18,10 @@ from torch import nn
 
 from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, join_notes, stream_notes, with_note
 from ...core.policy import Policy
+from ..common import environment, room_above
 from ...errors import AmpBridgeError, UnsupportedOptionError
-from .environment import _LOW, _NAMES, DTYPES, cpu_lstm_runs, cpu_lstm_takes_float32_inputs
+from .environment import (_LOW, _NAMES, DTYPES, _device_type_of, _resolve_for_device, cpu_lstm_runs,
+                          cpu_lstm_takes_float32_inputs)
 from .forward import _Spec
 from .layers import _class_name, _entries, _Kept, _kept_in_float32, layers
 
@@ -374,3 +378,42 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
         return compute, compute, (f"cpu LSTM under {compute} autocast needs {compute} inputs on this CPU "
                                   f"(oneDNN); pin it or feed {compute}"), False
     return compute, compute, "", False
+
+
+# --- plan (what apply would run; traced with example inputs) --------------------------------
+
+def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, warn: bool = True,
+         device_type: str | None = None, **example_kwargs: Any) -> Plan:
+    """The Plan of a model under a policy (what ``apply`` would run).
+
+    With example inputs it is :func:`~ampbridge.backends.torch.trace.trace`'s: one forward runs (on
+    a copy, applied, without gradients) and every row shows the dtype its module really computed in.
+
+    Example:
+        >>> import torch
+        >>> p = plan(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1)), "mixed_bfloat16")
+        >>> p["1"].note
+        "follows its input's dtype: cpu autocast leaves Softmax alone (bfloat16 when fed by a bfloat16 layer)"
+    """
+    if example_inputs or example_kwargs:
+        trace = room_above(__package__, "trace").trace
+        return trace(model, policy, *example_inputs, warn=warn, device_type=device_type, **example_kwargs)
+    policy, env_notes = environment(policy, "torch", warn=False)  # what apply would run
+    script = isinstance(model, torch.jit.ScriptModule)
+    device_type = (device_type or "cpu") if script else _device_type_of(model, device_type)
+    resolved, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
+    notes = list(env_notes) + notes
+    if not script:
+        return _realise(model, resolved, device_type, warn=warn, notes=notes).plan
+
+    def model_output(row: PlanRow) -> PlanRow:
+        out = resolved.output_dtype
+        if row.path or row.output_dtype == out:
+            return row
+        note = f"model outputs cast to output_dtype {out}" if out != row.compute_dtype else None
+        return with_note(row, note, output_dtype=out)
+
+    built = build_plan(layers(model), resolved, framework="torch", adjust=model_output, warn=warn)
+    return Plan(built.rows, built.policy, "torch", built.unmatched_rules,
+                tuple(notes) + ("a TorchScript module: rows as requested (autocast's per-op behaviour "
+                                "is not inspected)",))
