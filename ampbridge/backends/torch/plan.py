@@ -157,34 +157,10 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         if stream_of[row.path]:
             widened[_code_caller(row.path, modules) or ""].add(row.output_dtype)
 
-    # 1. storage: each parameter in the dtype its module's row asks for (the widest, if shared)
-    requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
-    params: dict[int, nn.Parameter] = {}
+    storage = _storage(raw, modules)
     from torch.nn.modules.batchnorm import _NormBase
 
-    for row in raw.rows:
-        module = modules[row.path]
-        wanted = row.param_dtype
-        if isinstance(module, _NormBase) and module.track_running_stats and wanted != "float32":
-            wanted = "float32"  # see the row's note below
-        for p in module.parameters(recurse=False):
-            requests[id(p)].append((row.path, wanted))
-            params[id(p)] = p
-    storage: dict[int, tuple[nn.Parameter, torch.dtype]] = {}
-    for pid, asks in requests.items():
-        chosen = _widest(d for _, d in asks)
-        p = params[pid]
-        if p.is_floating_point() or isinstance(p, nn.parameter.UninitializedParameter):
-            if isinstance(p, nn.parameter.UninitializedParameter):
-                if chosen != "float32":
-                    path = asks[0][0]
-                    raise AmpBridgeError(f"{path!r} ({_class_name(modules[path])}) has uninitialised lazy "
-                                         f"parameters; run one forward to materialise them before applying "
-                                         f"param_dtype={chosen!r}")
-                continue
-            storage[pid] = (p, DTYPES[chosen])
-
-    # 2. regions: a module whose compute dtype differs from its parent's region runs its own.
+    # regions: a module whose compute dtype differs from its parent's region runs its own.
     # Without autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule
     # sits inside one, the region's leaves get their floating inputs cast to float32.
     low_below: set[str] = set()
@@ -290,7 +266,44 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
 
     final = _sequential_outputs(final, modules, rules, input_following)
-    plan_notes = list(notes) + kept_notes
+    plan_notes = _plan_notes(policy, list(notes) + kept_notes, input_following)
+    out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
+    return _Realisation(out, policy, specs, storage, frozenset(input_following),
+                        frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
+
+
+def _storage(raw: Plan, modules: Mapping[str, nn.Module]) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
+    """Each parameter in the dtype its module's row asks for (the widest, if shared), by ``id``."""
+    requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+    from torch.nn.modules.batchnorm import _NormBase
+
+    for row in raw.rows:
+        module = modules[row.path]
+        wanted = row.param_dtype
+        if isinstance(module, _NormBase) and module.track_running_stats and wanted != "float32":
+            wanted = "float32"  # see the row's note below
+        for p in module.parameters(recurse=False):
+            requests[id(p)].append((row.path, wanted))
+            params[id(p)] = p
+    storage: dict[int, tuple[nn.Parameter, torch.dtype]] = {}
+    for pid, asks in requests.items():
+        chosen = _widest(d for _, d in asks)
+        p = params[pid]
+        if p.is_floating_point() or isinstance(p, nn.parameter.UninitializedParameter):
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                if chosen != "float32":
+                    path = asks[0][0]
+                    raise AmpBridgeError(f"{path!r} ({_class_name(modules[path])}) has uninitialised lazy "
+                                         f"parameters; run one forward to materialise them before applying "
+                                         f"param_dtype={chosen!r}")
+                continue
+            storage[pid] = (p, DTYPES[chosen])
+    return storage
+
+
+def _plan_notes(policy: Policy, plan_notes: list[str], input_following: set[str]) -> list[str]:
+    """The Plan's own notes: the matmul precision, the rows that follow the data flow."""
     if policy.matmul_precision != "highest":
         plan_notes.append(f"matmul_precision {policy.matmul_precision}: torch.set_float32_matmul_precision"
                           f"({policy.matmul_precision!r}) inside amp.model, amp.autocast() and amp.step(), "
@@ -300,9 +313,7 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         plan_notes.append(f"{len(input_following)} row(s) follow the data flow (their input's dtype where autocast "
                           "leaves the ops alone, a custom module's own ops); "
                           "ampbridge.torch.plan(model, policy, *example_inputs) traces the exact dtypes")
-    out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
-    return _Realisation(out, policy, specs, storage, frozenset(input_following),
-                        frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
+    return plan_notes
 
 
 def _sequential_outputs(rows: list[PlanRow], modules: Mapping[str, nn.Module], rules: Mapping[str, Any],
