@@ -15,8 +15,8 @@ from ..common import doctests, import_framework
 import_framework("torch", "torch")
 
 # the rooms, in layers: environment -> layers -> forward -> plan -> monitor -> loss_scale -> schedule
-# -> trace -> apply -> distributed -> trainers (the room modules apply, plan, trace and layers are shadowed here by
-# the functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
+# -> trace -> apply -> distributed -> trainers (the room modules apply, plan, trace and layers are shadowed
+# here by the functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
 from .apply import ModelNotSupportedError, TorchAmp, apply  # noqa: E402
 from .distributed import FSDPPrecision, deepspeed_initialize, fsdp_policy, wrap_ddp, wrap_fsdp  # noqa: E402
 from .environment import DTYPES, cpu_lstm_takes_float32_inputs, native_dtype  # noqa: E402

@@ -157,119 +157,143 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         if stream_of[row.path]:
             widened[_code_caller(row.path, modules) or ""].add(row.output_dtype)
 
-    storage = _storage(raw, modules)
-    from torch.nn.modules.batchnorm import _NormBase
-
-    # regions: a module whose compute dtype differs from its parent's region runs its own.
-    # Without autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule
-    # sits inside one, the region's leaves get their floating inputs cast to float32.
-    low_below: set[str] = set()
-    for row in raw.rows:
-        if row.output_dtype != "float32" or row.compute_dtype != "float32":
-            parts = row.path.split(".")
-            low_below.update(".".join(parts[:i]) for i in range(len(parts) + 1))
-    region_root: dict[str, str] = {}
-    specs: dict[str, _Spec] = {}
-    wrapped_output: dict[str, str] = {}
-    final: list[PlanRow] = []
-    input_following: set[str] = set()
-    for row in raw.rows:
-        module = modules[row.path]
-        behaviour = _behaviour(module, device_type)
-        path = row.path
-        stream = stream_of[path]
-        if path in bypassed:
-            parent = raw[bypassed[path]]
-            if row.compute_dtype != parent.compute_dtype:
-                raise UnsupportedOptionError(
-                    f"{row.rule} ({row.pattern}) sets {path!r} to compute in {row.compute_dtype}, but "
-                    f"{_class_name(modules[bypassed[path]])} {bypassed[path]!r} uses its parameters in its own "
-                    f"forward (it never calls {path!r}); match {bypassed[path]!r} instead")
-            final.append(with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
-                                        f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype))
-            continue
-        is_root = path == ""  # its region, input and output casts are the root spec (below)
-        parent_path = path.rsplit(".", 1)[0] if "." in path else ""
-        enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
-        compute = row.compute_dtype
-        own_float = [p for p in module.parameters(recurse=False)
-                     if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
-        own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
-        own_low = any(d in _LOW for d in own_stored)
-        region_change = compute != enclosing and not is_root
-        region_root[path] = path if region_change else region_root.get(parent_path, "")
-        mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
-                         and next(module.children(), None) is None and behaviour != "weights")
-        present_as = None  # own parameters presented in the compute dtype for the call
-        if own_low and any(d != DTYPES[compute] for d in own_stored) and (
-                compute == "float32" or behaviour not in ("cast", "float32")):
-            present_as = DTYPES[compute]
-        cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
-        if is_root:  # the caller's region is the policy's: a rule on the root changes it
-            cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
-        rule = rules.get(row.rule)
-        explicit_output = rule is not None and rule.output_dtype is not None
-        natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
-                                                       own_stored)
-        # cpu bilinear cannot mix dtypes and autocast leaves it alone: it gets its input's dtype
-        follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
-                         and present_as is None and compute != "float32")
-        wrap = region_change or cast_inputs or present_as is not None or follow_params or (
-            explicit_output and row.output_dtype != natural_out)
-        if is_root:
-            wrap = False
-            specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
-                              DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
-        changes: dict[str, Any] = {}
-        notes_here = [n for n in (stream and stream + _TORCH_STREAM.format(caller=_code_caller(path, modules) or "the model"),
-                                  note) if n]
-        if path in widened and not is_root:  # its own code promotes the stream; its output is not cast
-            wider = _widest(widened[path] | {compute})
-            notes_here.append(_CALLER_NOTE.format(dtype=wider))
-            natural_out, follows = wider, True
-        if row.rule == BY_MODEL and path in kept:
-            notes_here.insert(0, kept[path].declared)
-        stored = {_NAMES[d] for d in own_stored}
-        if len(stored) == 1 and stored != {row.param_dtype}:
-            stored_name = stored.pop()
-            changes["param_dtype"] = stored_name
-            if isinstance(module, _NormBase) and module.track_running_stats:
-                notes_here.append(f"parameters kept in {stored_name}: torch's batch_norm needs them in its float32 "
-                                  f"running statistics' dtype")
-            else:
-                notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
-        if wrap:
-            # the output is cast only where a rule asks for an output dtype: a pinned module emits what
-            # it computes, as under autocast(enabled=False) by hand
-            specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
-                                DTYPES[compute] if cast_inputs else None,
-                                DTYPES[row.output_dtype] if explicit_output and not follows else None, present_as,
-                                params_follow_input=follow_params)
-            if natural != compute and behaviour != "region":
-                changes["compute_dtype"] = natural
-            if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
-                changes["output_dtype"] = natural_out
-            if follows:
-                input_following.add(path)
-            wrapped_output[path] = row.output_dtype
-        else:
-            if natural != compute and behaviour != "region":
-                changes["compute_dtype"] = natural
-            if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
-                changes["output_dtype"] = natural_out
-            if follows:
-                input_following.add(path)
-        if is_root:  # the model's outputs: the policy's output_dtype, whatever a rule says
-            changes["output_dtype"] = policy.output_dtype
-            if policy.output_dtype != changes.get("compute_dtype", compute):
-                notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
-        final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
-
+    walk = _Walk(policy, device_type, raw, modules, _storage(raw, modules), bypassed, stream_of, widened,
+                 kept, _low_below(raw))
+    final = [_realise_row(walk, row) for row in raw.rows]
+    input_following, specs, storage = walk.input_following, walk.specs, walk.storage
     final = _sequential_outputs(final, modules, rules, input_following)
     plan_notes = _plan_notes(policy, list(notes) + kept_notes, input_following)
     out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
     return _Realisation(out, policy, specs, storage, frozenset(input_following),
                         frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
+
+
+@dataclass
+class _Walk:
+    """What the walk over the Plan's rows reads (the model's modules, the raw Plan, the facts found
+    before it) and what it collects (each module's spec, each region's root, the rows that follow
+    their input's dtype)."""
+
+    policy: Policy
+    device_type: str
+    raw: Plan
+    modules: Mapping[str, nn.Module]
+    storage: Mapping[int, tuple[nn.Parameter, torch.dtype]]
+    bypassed: Mapping[str, str]
+    stream_of: Mapping[str, str | None]
+    widened: Mapping[str, set[str]]
+    kept: Mapping[str, _Kept]
+    low_below: set[str]
+    specs: dict[str, _Spec] = field(default_factory=dict)
+    region_root: dict[str, str] = field(default_factory=dict)
+    input_following: set[str] = field(default_factory=set)
+
+
+def _low_below(raw: Plan) -> set[str]:
+    """Every path with a row at or below it that computes or emits in a lower precision.
+
+    Regions: a module whose compute dtype differs from its parent's region runs its own. Without
+    autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule sits inside
+    one, the region's leaves get their floating inputs cast to float32.
+    """
+    low_below: set[str] = set()
+    for row in raw.rows:
+        if row.output_dtype != "float32" or row.compute_dtype != "float32":
+            parts = row.path.split(".")
+            low_below.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    return low_below
+
+
+def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
+    """One row as torch runs it; the module's spec (how it is run) goes into ``walk.specs``."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    policy, device_type, raw, modules = walk.policy, walk.device_type, walk.raw, walk.modules
+    storage, bypassed, stream_of, widened, kept = walk.storage, walk.bypassed, walk.stream_of, walk.widened, walk.kept
+    specs, region_root, input_following = walk.specs, walk.region_root, walk.input_following
+    low_below, rules = walk.low_below, dict(policy.rules)
+    module = modules[row.path]
+    behaviour = _behaviour(module, device_type)
+    path = row.path
+    stream = stream_of[path]
+    if path in bypassed:
+        parent = raw[bypassed[path]]
+        if row.compute_dtype != parent.compute_dtype:
+            raise UnsupportedOptionError(
+                f"{row.rule} ({row.pattern}) sets {path!r} to compute in {row.compute_dtype}, but "
+                f"{_class_name(modules[bypassed[path]])} {bypassed[path]!r} uses its parameters in its own "
+                f"forward (it never calls {path!r}); match {bypassed[path]!r} instead")
+        return with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
+                              f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype)
+    is_root = path == ""  # its region, input and output casts are the root spec (below)
+    parent_path = path.rsplit(".", 1)[0] if "." in path else ""
+    enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
+    compute = row.compute_dtype
+    own_float = [p for p in module.parameters(recurse=False)
+                 if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
+    own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
+    own_low = any(d in _LOW for d in own_stored)
+    region_change = compute != enclosing and not is_root
+    region_root[path] = path if region_change else region_root.get(parent_path, "")
+    mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
+                     and next(module.children(), None) is None and behaviour != "weights")
+    present_as = None  # own parameters presented in the compute dtype for the call
+    if own_low and any(d != DTYPES[compute] for d in own_stored) and (
+            compute == "float32" or behaviour not in ("cast", "float32")):
+        present_as = DTYPES[compute]
+    cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
+    if is_root:  # the caller's region is the policy's: a rule on the root changes it
+        cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
+    rule = rules.get(row.rule)
+    explicit_output = rule is not None and rule.output_dtype is not None
+    natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
+                                                   own_stored)
+    # cpu bilinear cannot mix dtypes and autocast leaves it alone: it gets its input's dtype
+    follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
+                     and present_as is None and compute != "float32")
+    wrap = region_change or cast_inputs or present_as is not None or follow_params or (
+        explicit_output and row.output_dtype != natural_out)
+    if is_root:
+        wrap = False
+        specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
+                          DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
+    changes: dict[str, Any] = {}
+    notes_here = [n for n in (stream and stream + _TORCH_STREAM.format(caller=_code_caller(path, modules) or "the model"),
+                              note) if n]
+    if path in widened and not is_root:  # its own code promotes the stream; its output is not cast
+        wider = _widest(widened[path] | {compute})
+        notes_here.append(_CALLER_NOTE.format(dtype=wider))
+        natural_out, follows = wider, True
+    if row.rule == BY_MODEL and path in kept:
+        notes_here.insert(0, kept[path].declared)
+    stored = {_NAMES[d] for d in own_stored}
+    if len(stored) == 1 and stored != {row.param_dtype}:
+        stored_name = stored.pop()
+        changes["param_dtype"] = stored_name
+        if isinstance(module, _NormBase) and module.track_running_stats:
+            notes_here.append(f"parameters kept in {stored_name}: torch's batch_norm needs them in its float32 "
+                              f"running statistics' dtype")
+        else:
+            notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
+    if wrap:
+        # the output is cast only where a rule asks for an output dtype: a pinned module emits what
+        # it computes, as under autocast(enabled=False) by hand
+        specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
+                            DTYPES[compute] if cast_inputs else None,
+                            DTYPES[row.output_dtype] if explicit_output and not follows else None, present_as,
+                            params_follow_input=follow_params)
+    if natural != compute and behaviour != "region":
+        changes["compute_dtype"] = natural
+    if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
+        changes["output_dtype"] = natural_out
+    if follows:
+        input_following.add(path)
+    if is_root:  # the model's outputs: the policy's output_dtype, whatever a rule says
+        changes["output_dtype"] = policy.output_dtype
+        if policy.output_dtype != changes.get("compute_dtype", compute):
+            notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
+    return with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row
+
 
 
 def _storage(raw: Plan, modules: Mapping[str, nn.Module]) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
