@@ -28,8 +28,9 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
 - :func:`plan` / :func:`owns` for ``ampbridge.plan(module, policy, *example_inputs)``;
   :func:`trace`: the Plan with each row's dtypes as one traced forward ran them.
 - :class:`Schedule`: precision phases (``[[phase]]``), one jitted step per phase.
-- ``distributed.pmean_grads`` (in ``shard_map``/``pmap``) and ``distributed.data_parallel_value_and_grad`` (a sharded
-  ``jit``): the data-parallel gradient all-reduce in ``reduce_dtype``; ``distributed.replicate``.
+- ``distributed.pmean_grads`` (in ``shard_map``/``pmap``) and
+  ``distributed.data_parallel_value_and_grad`` (a sharded ``jit``): the data-parallel gradient
+  all-reduce in ``reduce_dtype``; ``distributed.replicate``.
 
 Rooms: ``environment`` (dtypes, device, the policy that runs), ``layers`` (kinds, rows),
 ``cast`` (pytrees), ``watch`` (the probes of :func:`numerics`), ``linen`` and ``nnx`` (each

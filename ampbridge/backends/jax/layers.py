@@ -2,7 +2,8 @@
 facts a Plan note needs, rows resolved from a module's ancestry, and a plain pytree's key paths as
 neutral ``Layer`` descriptors; the contract's ``layers``, ``owns`` and ``register_kind``.
 
-Holds: layers, owns, register_kind, _LINEN_KINDS, _NNX_KINDS, _kind_of, _kind_and_source, _class_name, _has_field, _is_float_dtype_or_none,
+Holds: layers, owns, register_kind,
+_LINEN_KINDS, _NNX_KINDS, _kind_of, _kind_and_source, _class_name, _has_field, _is_float_dtype_or_none,
 _Facts, _facts, _row_notes, _Resolver, _dtype_name, _carried, _author_dtypes, _key_name, _tree_layers.
 """
 
@@ -369,8 +370,9 @@ def layers(model: Any, *example_inputs: Any, **kwargs: Any) -> list[Layer]:
     # linen (or its Applied): the rows of its trace, in the order it met them (plan refuses anything else)
     plan = room_above(__package__, "plan").plan  # linen's walk is its Plan's
     rows = plan(model, Policy(), *example_inputs, warn=False, **kwargs).rows
-    return [Layer(r.path, r.kind, r.class_name, r.param_count, r.kind_source,
-                  (r.compute_dtype, r.param_dtype) if r.rule == BY_MODEL and r.inherited_from is None else None)
+    fixed = {r.path: (r.compute_dtype, r.param_dtype) for r in rows
+             if r.rule == BY_MODEL and r.inherited_from is None}
+    return [Layer(r.path, r.kind, r.class_name, r.param_count, r.kind_source, fixed.get(r.path))
             for r in rows]
 
 

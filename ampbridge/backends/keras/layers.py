@@ -1,7 +1,8 @@
 """The walk of a Keras model: nested layers by path, their portable kinds, and the neutral
 ``Layer`` descriptors the core plans from.
 
-Names: ``walk`` (``(path, keras layer)`` pairs), ``layers`` (core ``Layer`` descriptors), ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
+Names: ``walk`` (``(path, keras layer)`` pairs), ``layers`` (core ``Layer`` descriptors), ``kind_of``,
+``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
 ``_children``, ``_own_params``, ``_describe``. Kinds: ``ampbridge_kind``, ``register_kind``, Keras's classes, then
 the core's inference from the class's and its bases' names (:mod:`ampbridge.core.kinds`).
 """

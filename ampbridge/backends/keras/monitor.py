@@ -178,7 +178,8 @@ class Monitor:
         (0, ['dense'], 0.0)
     """
 
-    def __init__(self, path: Any, model: Any, *, optimizer: Any = None, every: int = 1, attribution: bool = True):
+    def __init__(self, path: Any, model: Any, *, optimizer: Any = None, every: int = 1,
+                 attribution: bool = True):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor: every must be a positive integer (log every N-th step); received "
                              f"every={every!r}")

@@ -1,7 +1,8 @@
 """The Plan of a Keras model (the core's rules, plus the rows where Keras itself does otherwise),
 and the Keras dtype policy each row becomes.
 
-Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_static_plan``, ``_adjuster``, ``_streams``, ``_same_policy``, ``_FLOATS``.
+Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_static_plan``,
+``_adjuster``, ``_streams``, ``_same_policy``, ``_FLOATS``.
 """
 
 from __future__ import annotations
