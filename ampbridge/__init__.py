@@ -14,10 +14,11 @@ Example:
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from .core.dtypes import COMPUTE_DTYPES, STORAGE_DTYPES, FloatFormat, canonical_dtype, formats
-from .core.io import PRESETS, dump, dumps, load, loads, preset
+from .core.io import PRESETS, as_policy, dump, dumps, load, loads, preset
 from .core.loss_scale import LossScaler, LossScaleState, initial_state, next_state, trajectory
 from .core.matching import KINDS, compile_pattern, join_path
 from .core.plan import Layer, Plan, PlanRow, build_plan, layers_from_data
@@ -91,8 +92,8 @@ def plan(model: Any, policy: Policy | str, *args: Any, **kwargs: Any) -> Plan:
     ``policy`` may be a Policy, a preset name or a policy file path. Extra arguments go to the
     backend (Flax needs example inputs: ``plan(module, policy, x)``).
     """
-    if isinstance(policy, str):
-        policy = preset(policy) if policy in PRESETS else load(policy)
+    if isinstance(policy, (str, os.PathLike)):
+        policy = as_policy(policy)
     if isinstance(model, (list, tuple)) and all(isinstance(x, Layer) for x in model):
         return build_plan(model, policy, **kwargs)
     from .core.registry import backend_module, detect_backend

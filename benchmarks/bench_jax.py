@@ -27,7 +27,7 @@ and returns (about 1.3 us each: a jitted ``x + 1`` over 1, 2, 6, 12 int32 scalar
 9.9, 17.8 us a call; flattening the state is < 1 us, NamedTuples flatten in C++), and the
 loss-scale state had 6 scalar leaves against jmp's 2, each updated by its own small fusion that
 recomputed the AND of the 8 per-parameter finiteness flags. On the same MLP at widths 4 (compute
-~0) that was 50 us a step against 39 us for jmp. Now: ``LossScaleState(scale, counters: int32[5])``
+~0) that was 50 us a step against 39 us for jmp. Now: ``PackedLossScale(scale, counters: int32[5])``
 (2 leaves), one finiteness flag carried through the per-parameter reductions, selects without
 wrapper functions, one ``-0.0`` array per shape: MLP lowered ops 300 -> 294 (jmp 292), optimised
 instructions 874 -> 678 (jmp 767), state leaves 6 -> 2 (jmp 2), and the width-4 step at jmp's

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FunctionType, ModuleType
 from typing import Any
 
-from ..core.io import PRESETS, load, preset
+from ..core.io import as_policy
 from ..core.policy import Policy
 from ..core.risks import lossy_settings
 from ..diagnostics.environment import effective_policy
@@ -29,16 +29,6 @@ from ..errors import BackendUnavailableError, LossyPolicyWarning, warn_once
 
 #: the extra that installs each backend's framework
 EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "tensorflow"}
-
-
-def as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:
-    """A Policy from a Policy, a preset name or a policy file path."""
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, (str, Path)):
-        return preset(str(policy)) if str(policy) in PRESETS else load(policy)
-    raise TypeError(f"policy must be an ampbridge.Policy, a preset name ({', '.join(PRESETS)}) or a "
-                    f"policy file path; received {policy!r} (of type {type(policy).__name__})")
 
 
 def environment(policy: Policy | str | os.PathLike[str], framework: str, *,
@@ -88,6 +78,18 @@ def read_host_scalar(address: int, dtype: str) -> float | int:
         7
     """
     return _C_TYPES[dtype].from_address(address).value
+
+
+def room_above(package: str, name: str) -> ModuleType:
+    """A room of ``package`` that sits above the caller (already imported by the package's
+    ``__init__``). Rooms import downwards only; a verb that hands over to a room above it (``plan``
+    with example inputs to ``trace``) looks that room up here instead of importing it.
+
+    Example:
+        >>> room_above("ampbridge.backends", "common").__name__
+        'ampbridge.backends.common'
+    """
+    return sys.modules[f"{package}.{name}"]
 
 
 def import_framework(module: str, backend: str) -> ModuleType:

@@ -362,7 +362,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .. import recipes
     from ..core.io import PRESETS, preset
 
-    if not Path(args.policy).exists() and args.policy in PRESETS:
+    if args.policy in PRESETS:  # as_policy's precedence: a preset name before a file of that name
         ref = recipes.Conversion(preset(args.policy), source_format="ampbridge",
                                  covers=frozenset(recipes.POLICY_FIELDS))
     else:

@@ -542,6 +542,22 @@ def preset(name: str) -> Policy:
     return _load_document_located(dict(PRESETS[name]), doc, Path.cwd(), ())[0]
 
 
+
+def as_policy(policy: "Policy | str | os.PathLike[str]") -> Policy:
+    """A Policy from a Policy, a preset name or a policy file path: the one resolution every
+    entry point uses (a preset name wins over a file of the same name in the working directory).
+
+    Example:
+        >>> as_policy("mixed_bfloat16").compute_dtype
+        'bfloat16'
+    """
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, (str, os.PathLike)):
+        return preset(str(policy)) if str(policy) in PRESETS else load(policy)
+    raise TypeError(f"policy must be an ampbridge.Policy, a preset name ({', '.join(PRESETS)}) or a "
+                    f"policy file path; received {policy!r} (of type {type(policy).__name__})")
+
 # --- writing -----------------------------------------------------------------------------------
 
 def _toml_value(v: Any) -> str:

@@ -88,6 +88,9 @@ class PlanRow:
     #: ops of the layer that ran in another dtype than its compute dtype, as ``"op dtype"`` (a trace
     #: saw them: MoE experts' ``_grouped_mm`` that CPU autocast does not cast); shown as a footnote
     other_ops: tuple[str, ...] = ()
+    #: the framework itself computes inside this layer in float32 whatever its compute dtype (Keras's
+    #: and Flax's norm statistics, a float32 softmax): a trace of the layer's call cannot see those ops
+    float32_inside: bool = False
     #: the ``[fp8]`` table's decision: the layer's matmuls take float8 inputs in ``fp8_forward``
     #: (activations, weights) and ``fp8_backward`` (output gradients), scaled by ``fp8_scaling``;
     #: ``fp8_by`` names the machinery that realises it (the backend fills it in). None: no float8.

@@ -25,7 +25,7 @@ _FALSE = ("", "0", "false", "no", "off")
 def effective_policy(policy, framework: str, *, warn: bool = True):
     """The policy a backend must apply: ``policy`` unless the environment replaces it (said once
     per process, pointing at the user's line)."""
-    from ..core.io import PRESETS, load, preset
+    from ..core.io import PRESETS, as_policy, preset
 
     disable = os.environ.get("AMPBRIDGE_DISABLE", "").strip().lower()
     override = os.environ.get("AMPBRIDGE_POLICY", "").strip()
@@ -33,7 +33,7 @@ def effective_policy(policy, framework: str, *, warn: bool = True):
         replacement, why = preset("float32"), "AMPBRIDGE_DISABLE is set: running in float32"
     elif override:
         try:
-            replacement = preset(override) if override in PRESETS else load(override)
+            replacement = as_policy(override)
         except PolicyError as e:  # the user set a variable: say which one
             why = "; ".join(str(p) for p in e.problems)
             raise PolicyError([Problem(f"the environment variable names no usable policy ({why})",

@@ -109,7 +109,7 @@ def _shard_map_run(reduce_dtype: str, agree: bool):
     def local(params, opt_state, x, y, step):
         mine = jax.tree_util.tree_map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
         _, grads = ampbridge.jax.value_and_grad(_loss, opt_state)(mine, x, y)
-        grads = ampbridge.jax.pmean_grads(grads, "data", policy)
+        grads = ampbridge.jax.distributed.pmean_grads(grads, "data", policy)
         grads = _late_inf(grads, (jax.lax.axis_index("data") == 1) & (step == LATE_OVERFLOW))
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -118,7 +118,7 @@ def _shard_map_run(reduce_dtype: str, agree: bool):
 
     step_fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"), P()),
                                     out_specs=P("data")))
-    params, opt_state = ampbridge.jax.replicate((params, opt_state), mesh)
+    params, opt_state = ampbridge.jax.distributed.replicate((params, opt_state), mesh)
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P(None, "data"))) for a in (xs, ys))
     per_step = []
     for step in range(STEPS):
@@ -129,7 +129,7 @@ def _shard_map_run(reduce_dtype: str, agree: bool):
                          "params_equal": all(bool(np.array_equal(a[0], a[1]))
                                              for a in jax.tree_util.tree_leaves(both_params))})
         # carry device 0's copy forward (identical to device 1's when they agree)
-        params, opt_state = ampbridge.jax.replicate(jax.tree_util.tree_map(lambda a: a[0], (both_params, both_state)),
+        params, opt_state = ampbridge.jax.distributed.replicate(jax.tree_util.tree_map(lambda a: a[0], (both_params, both_state)),
                                                     mesh)
     hlo = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"), P()),
                                 out_specs=P("data"))).lower(params, opt_state, xs[0], ys[0], jnp.int32(0))
@@ -184,12 +184,12 @@ def _sharded_jit(reduce_dtype: str):
     tx = ampbridge.jax.optimizer(optax.sgd(0.05), policy)
     mesh = jax.make_mesh((2,), ("data",))
     params, xs, ys = _data()
-    params = ampbridge.jax.replicate(params, mesh)
-    opt_state = ampbridge.jax.replicate(tx.init(params), mesh)
+    params = ampbridge.jax.distributed.replicate(params, mesh)
+    opt_state = ampbridge.jax.distributed.replicate(tx.init(params), mesh)
     batch = NamedSharding(mesh, P("data"))
 
     def step_fn(params, opt_state, x, y):
-        _, grads = ampbridge.jax.data_parallel_value_and_grad(_loss, opt_state, mesh, policy)(params, x, y)
+        _, grads = ampbridge.jax.distributed.data_parallel_value_and_grad(_loss, opt_state, mesh, policy)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -257,7 +257,7 @@ def _worker_process(process_id: int, port: int) -> dict:
 
         def local(params, opt_state, x, y, step):
             _, grads = ampbridge.jax.value_and_grad(_loss, opt_state)(params, x, y)
-            grads = ampbridge.jax.pmean_grads(grads, "data", policy)
+            grads = ampbridge.jax.distributed.pmean_grads(grads, "data", policy)
             grads = _late_inf(grads, (jax.lax.axis_index("data") == 1) & (step == LATE_OVERFLOW))
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
@@ -358,7 +358,7 @@ def test_pmean_grads_without_devices():
 
     policy = ampbridge.Policy(reduce_dtype="bfloat16")
     tree = {"w": jnp.array([[1.0, 2.0], [3.0, 5.0]], jnp.float32), "n": jnp.array([1, 2])}
-    out = jax.vmap(lambda t: ampbridge.jax.pmean_grads(t, "d", policy), axis_name="d")(tree)
+    out = jax.vmap(lambda t: ampbridge.jax.distributed.pmean_grads(t, "d", policy), axis_name="d")(tree)
     assert out["w"].dtype == jnp.float32 and out["w"].tolist() == [[2.0, 3.5], [2.0, 3.5]]
     assert out["n"].tolist() == [1, 2]
     note = ampbridge.jax.resolve_policy(policy)[1]
@@ -421,7 +421,7 @@ def test_pmean_grads_refuses_gradients_shard_map_already_reduced():
     def local(w, x, pcast):
         w_local = jax.lax.pcast(w, "data", to="varying") if pcast else w
         grads = jax.grad(lambda w: jnp.sum(x @ w))(w_local)
-        return ampbridge.jax.pmean_grads({"w": grads}, "data", policy)["w"]
+        return ampbridge.jax.distributed.pmean_grads({"w": grads}, "data", policy)["w"]
 
     run = [jax.shard_map(lambda w, x, c=c: local(w, x, c), mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
            for c in (False, True)]

@@ -17,6 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
+from ampbridge.backends.jax.cast import cast_to_compute  # noqa: E402
 from ampbridge.backends.jax import environment as jax_environment  # noqa: E402
 from ampbridge import Policy  # noqa: E402
 from ampbridge.diagnostics import hardware as _hardware  # noqa: E402
@@ -54,9 +55,9 @@ def test_disable_runs_float32_and_says_so_once(demo, monkeypatch, inspect):
     assert again.policy == ampbridge.preset("float32") and model.kernel[...].dtype == jnp.float32
     assert model(jnp.ones((1, 3))).dtype == jnp.float32
     tree = {"w": jnp.ones(2), "step": 3}  # plain pytrees (equinox, haiku) follow the switch too
-    assert abj.cast_to_compute(tree, ampbridge.preset("mixed_bfloat16"))["w"].dtype == jnp.float32
+    assert cast_to_compute(tree, ampbridge.preset("mixed_bfloat16"))["w"].dtype == jnp.float32
     monkeypatch.setenv("AMPBRIDGE_DISABLE", "0")  # off means off
-    assert abj.cast_to_compute(tree, ampbridge.preset("mixed_bfloat16"))["w"].dtype == jnp.bfloat16
+    assert cast_to_compute(tree, ampbridge.preset("mixed_bfloat16"))["w"].dtype == jnp.bfloat16
     assert abj.apply(nn.Dense(2), "mixed_float16").policy.compute_dtype == "float16"
 
 

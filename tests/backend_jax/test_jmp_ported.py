@@ -10,8 +10,8 @@ min_loss_scale)`` become :func:`static` / :func:`dynamic`, an :class:`AmpLossSca
 ``ampbridge.LossScaleConfig`` (static ``initial_scale = s``; dynamic ``initial_scale = s``,
 ``growth_interval = period``, ``growth_factor = factor``, ``backoff_factor = 1 / factor``, ``min_scale
 = min_loss_scale`` (jmp's default 1; 0 is no floor)) and the state of ``ampbridge.jax`` for it;
-``scale`` / ``unscale`` run ``ampbridge.jax.scale_loss`` / ``unscale`` on each leaf; ``adjust(finite)``
-is ``ampbridge.jax.next_loss_scale``; ``loss_scale`` / ``counter`` / ``period`` / ``factor`` read the
+``scale`` / ``unscale`` run ``ampbridge.jax.scale_loss`` / ``loss_scale.unscale`` on each leaf; ``adjust(finite)``
+is ``ampbridge.backends.jax.loss_scale.next_loss_scale``; ``loss_scale`` / ``counter`` / ``period`` / ``factor`` read the
 state's ``scale`` / ``good_steps`` and the settings. ``jmp.all_finite`` becomes the JAX backend's finite
 check (``_all_finite``, the one its optimizer, ``value_and_grad`` and monitor use). Tests of jmp's own
 pytree layout and helpers are listed in NOT_APPLICABLE with the reason.
@@ -38,7 +38,7 @@ NOT_APPLICABLE = {
     "test_no_op_loss_scale": "asserts that jmp's NoOpLossScale returns the very tree object (assertIs); "
         "ampbridge's mode none multiplies by 1.0 inside the differentiated function (same values, new arrays)",
     "test_static_empty_trees": "asserts that jmp's NoOp/Static classes flatten to no pytree leaves; "
-        "ampbridge's state is one LossScaleState (scale, counters) in every mode",
+        "ampbridge's state is one PackedLossScale (scale, counters) in every mode",
     "test_dynamic_loss_scale_tree": "asserts jmp's DynamicLossScale pytree layout (leaves [scale, counter]); "
         "ampbridge's is [scale, counters int32[6]]",
     "test_dynamic_loss_scale_adjust_requires_scalar_input": "upstream's body is empty (pass)",

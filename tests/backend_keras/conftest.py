@@ -102,7 +102,7 @@ def _helpers():
         with the same name whose ``__call__`` records: outermost, whatever wraps ``call``).
         ``records[path] = {"inputs", "vars", "outputs"}``."""
         records = {} if records is None else records
-        for path, layer in ak.layers(model):
+        for path, layer in ak.walk(model):
             if getattr(type(layer), "_probed", False):
                 continue
             inner = layer.call
@@ -128,7 +128,7 @@ def _helpers():
 
     def assert_runs_plan(model, plan, records):
         """Every layer's stored, computed and emitted dtypes are its Plan row's."""
-        by_path = dict(ak.layers(model))
+        by_path = dict(ak.walk(model))
         for row in plan:
             layer = by_path[row.path]
             for v in layer._trainable_variables + layer._non_trainable_variables:

@@ -59,7 +59,7 @@ def test_disable_runs_float32_and_says_so_once(kx, monkeypatch):
         ak.apply(model, MIXED)
     said = _env_warnings(caught)
     assert len(said) == 1 and "AMPBRIDGE_DISABLE" in said[0] and "float32" in said[0]
-    assert {layer.dtype_policy.name for _, layer in ak.layers(model)} == {"float32"}
+    assert {layer.dtype_policy.name for _, layer in ak.walk(model)} == {"float32"}
     outputs, stored = _run_dtypes(kx, model)
     assert set().union(*outputs.values()) == {"float32"} and stored == {"float32"}
     assert opt.loss_scale_config.mode == "none"

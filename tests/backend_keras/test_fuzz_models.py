@@ -101,9 +101,9 @@ def _check(kx, blocks, policy):
         native = _model(blocks, pinned)
     finally:
         keras.config.set_dtype_policy(previous)
-    leaves = {p for p, layer in ak.layers(ours) if p and not layer._layers}
-    assert {p: l.dtype_policy.name for p, l in ak.layers(ours) if p in leaves} == {
-        p: l.dtype_policy.name for p, l in ak.layers(native) if p in leaves}
+    leaves = {p for p, layer in ak.walk(ours) if p and not layer._layers}
+    assert {p: l.dtype_policy.name for p, l in ak.walk(ours) if p in leaves} == {
+        p: l.dtype_policy.name for p, l in ak.walk(native) if p in leaves}
     seen_native, seen_ours = kx.probe(native), kx.probe(ours)
     try:
         native_losses = _fit(native, keras.optimizers.LossScaleOptimizer(

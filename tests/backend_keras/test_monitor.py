@@ -270,7 +270,7 @@ def _apply(opt, model):
 
 def _assert_matches_reference(record, model, grads, scale):
     rows = ak.plan(model, model._ampbridge_policy, warn=False)
-    owned = {path: [id(v) for v in layer._trainable_variables] for path, layer in ak.layers(model)}
+    owned = {path: [id(v) for v in layer._trainable_variables] for path, layer in ak.walk(model)}
     by_id = {id(v): kx_numpy(g) for v, g in zip(model.trainable_variables, grads)}
     expected_paths = [row.path for row in rows if owned[row.path]]
     assert sorted(record["layers"]) == sorted(expected_paths)
@@ -313,7 +313,7 @@ def test_statistics_equal_numpy_reference(kx, tmp_path):
     # float32 gradient, summed over the batch, passes 65504
     y = kx_numpy(model(x)) - 3.0
     loss_fn = keras.losses.MeanSquaredError()
-    monitor = ak.Monitor(tmp_path / "run.jsonl", model, opt, every=1)
+    monitor = ak.Monitor(tmp_path / "run.jsonl", model, optimizer=opt, every=1)
     step = _apply(opt, model)
     totals = dict.fromkeys(("zero", "underflow", "overflow"), 0.0)
     for poison in (1.0, np.inf):
@@ -381,7 +381,7 @@ def test_monitor_leaves_checkpoints_and_model_as_they_were(kx, tmp_path):
     monitor.close()
     assert (len(model.weights), len(model.non_trainable_variables), len(model.optimizer.variables)) == before
     assert "compute_loss" not in model.__dict__ and all(
-        getattr(layer.__dict__.get(_WRAPPER), "probe", None) is None for _, layer in ak.layers(model))
+        getattr(layer.__dict__.get(_WRAPPER), "probe", None) is None for _, layer in ak.walk(model))
     model.fit(x, y, batch_size=4, verbose=0)  # runs unmonitored
     assert model.optimizer.state.steps == 6
 
@@ -426,7 +426,7 @@ def test_functional_jax_loop_records_returned_state(kx, tmp_path):
     ak.apply(model, GENTLE)
     opt = ak.optimizer(keras.optimizers.SGD(1e-6), GENTLE)
     opt.build(model.trainable_variables)
-    monitor = ak.Monitor(tmp_path / "run.jsonl", model, opt)
+    monitor = ak.Monitor(tmp_path / "run.jsonl", model, optimizer=opt)
     loss_fn = keras.losses.MeanSquaredError()
     x, y = np.ones((4, 4), "float32"), np.zeros((4, 1), "float32")
 

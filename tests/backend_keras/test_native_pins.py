@@ -83,11 +83,11 @@ def _native(kx, name: str):
     finally:
         keras.config.set_dtype_policy(previous)
     if name != "residual":  # by hand: the layers a user would pin, given a float32 policy
-        by_path = dict(ak.layers(model))
+        by_path = dict(ak.walk(model))
         for row in ak.plan(_hub(name), POLICY, warn=False).rows:
             if row.rule.startswith("keep_float32") and row.inherited_from is None:
                 by_path[row.path].dtype_policy = keras.DTypePolicy("float32")
-                for _, sub in ak.layers(by_path[row.path]):
+                for _, sub in ak.walk(by_path[row.path]):
                     sub.dtype_policy = keras.DTypePolicy("float32")
     return model
 
@@ -118,8 +118,8 @@ def test_pins_train_bit_identical_to_the_hand_pinned_model(kx, name):
                     f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}")
     kx.seed(0)
     ours = ak.apply(_residual(native=False) if name == "residual" else _hub(name), POLICY)
-    policies = {p: l.dtype_policy.name for p, l in ak.layers(ours) if p}
-    assert policies == {p: l.dtype_policy.name for p, l in ak.layers(native) if p}
+    policies = {p: l.dtype_policy.name for p, l in ak.walk(ours) if p}
+    assert policies == {p: l.dtype_policy.name for p, l in ak.walk(native) if p}
     assert sum(1 for v in policies.values() if v == "float32") >= 3
     records = kx.probe(ours)
     our_losses = _fit(kx, ours, ak.optimizer(keras.optimizers.SGD(0.01), POLICY), name)
@@ -133,7 +133,7 @@ def test_pins_train_bit_identical_to_the_hand_pinned_model(kx, name):
     # native Keras casts nothing at a layer's output (keras-hub BERT's post-norm TransformerEncoder
     # emits its pinned norm's float32). The next layer casts its inputs anyway, so the numbers above
     # are bit-identical; only those composites' output dtypes differ
-    by_path = dict(ak.layers(ours))
+    by_path = dict(ak.walk(ours))
     assert all(by_path[p]._layers and p for p in differ), differ
     if name == "residual" and keras.backend.backend() != "torch":  # Keras-on-torch: its blocks too
         assert differ == set(), {p: (records.get(p), native_records.get(p)) for p in differ}

@@ -111,7 +111,7 @@ def test_shared_layer_listed_once():
     shared = L.Dense(4, name="shared")
     x = keras.Input((4,))
     model = keras.Model(x, shared(shared(x)))
-    assert [p for p, _ in ak.layers(model)] == ["", "shared"]
+    assert [p for p, _ in ak.walk(model)] == ["", "shared"]
 
 
 @pytest.mark.parametrize("style", ["sequential", "functional", "subclassed"])

@@ -88,7 +88,7 @@ def test_promotion_is_only_where_the_plan_has_such_a_row():
     ak.apply(model, ampbridge.preset("mixed_float16"))  # no pin: no stream row, promotion off again
     wrapper = model.get_layer("block").__dict__.get("_ampbridge_call")
     assert not getattr(wrapper, "promote", False)
-    for _, layer in ak.layers(ak.apply(_model(), ampbridge.preset("mixed_float16"))):
+    for _, layer in ak.walk(ak.apply(_model(), ampbridge.preset("mixed_float16"))):
         assert not getattr(layer.__dict__.get("_ampbridge_call"), "promote", False)
 
 

@@ -88,7 +88,7 @@ def _probe(model):
     and what ``layer(...)`` returns (its class swapped for a recording subclass: outermost, whatever
     wraps ``call``). Independent of ampbridge's own call wrapper and monitor."""
     records = {}
-    for path, layer in ak.layers(model):
+    for path, layer in ak.walk(model):
         inner = layer.call
 
         def call(*args, _inner=inner, _path=path, _layer=layer, **kwargs):
@@ -112,7 +112,7 @@ def _probe(model):
 
 def _mismatches(model, plan, records):
     """Rows whose stored, computed or emitted dtypes are not what ran (one line each)."""
-    by_path = dict(ak.layers(model))
+    by_path = dict(ak.walk(model))
     problems, checked = [], 0
     for row in plan.rows:
         layer = by_path[row.path]
@@ -169,7 +169,7 @@ def _run(name, compute, pins=True):
     # the one warning a CNN deserves: it has no embedding
     allowed = [] if embeddings or not pins else ["keep_float32[1] (kind:embedding) matches no layer of the model (a typo?)"]
     plan = ak.plan(model, policy, warn=False)
-    by_class = {p: type(layer).__name__ for p, layer in ak.layers(model)}
+    by_class = {p: type(layer).__name__ for p, layer in ak.walk(model)}
     expected_pinned = {p for p, c in by_class.items() if c in norms | embeddings}
     pinned = {r.path for r in plan.rows if r.rule.startswith(("keep_float32", "override"))}
     # pinned: decided by a rule, computing and storing in float32 (its output is checked against what ran:

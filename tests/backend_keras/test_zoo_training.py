@@ -104,8 +104,8 @@ def test_six_steps_bit_identical_to_native_mixed_float16(kx, name):
 
     kx.seed(0)
     ours = ak.apply(_model(name), NATIVE)
-    assert {p: l.dtype_policy.name for p, l in ak.layers(ours) if p} == {
-        p: l.dtype_policy.name for p, l in ak.layers(native) if p}  # the Plan is Keras's mixed_float16
+    assert {p: l.dtype_policy.name for p, l in ak.walk(ours) if p} == {
+        p: l.dtype_policy.name for p, l in ak.walk(native) if p}  # the Plan is Keras's mixed_float16
     our_losses = _fit_recording(ours, ak.optimizer(keras.optimizers.Adam(1e-3), NATIVE), name)
     assert len(our_losses) == STEPS and our_losses == native_losses
     kx.assert_bitwise(native.weights, ours.weights, f"{name} weights after {STEPS} steps")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ampbridge"
 MAX_LINES = 800
-ROOMS = ("environment", "layers", "plan", "apply", "loss_scale", "monitor", "schedule")
+ROOMS = ("environment", "layers", "plan", "trace", "apply", "loss_scale", "monitor", "schedule")
 
 
 def _module_name(path: Path) -> str:

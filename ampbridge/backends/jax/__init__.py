@@ -14,7 +14,7 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
   stored in the row's ``param_dtype``, ``dtype`` attributes set, and every public method of each
   module with a ``__call__`` (``attend``, ``encode``, ``init_cache``, ...) casting its inputs, its
   own parameters and its outputs; its ``nnx.Cache`` variables are held in its compute dtype.
-- :func:`cast` (and ``cast_to_compute``/``cast_to_param``/``cast_to_output``) for plain pytrees
+- :func:`cast` (and, in its room, ``cast_to_compute``/``cast_to_param``/``cast_to_output``) for plain pytrees
   (equinox, haiku): floating leaves only; ints, bools and non-arrays pass through.
 - :func:`optimizer` wraps any optax transformation with the reference loss-scale algorithm
   (``ampbridge.core.loss_scale``): ``update`` unscales, checks finiteness, and on a non-finite step
@@ -28,8 +28,9 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
 - :func:`plan` / :func:`owns` for ``ampbridge.plan(module, policy, *example_inputs)``;
   :func:`trace`: the Plan with each row's dtypes as one traced forward ran them.
 - :class:`Schedule`: precision phases (``[[phase]]``), one jitted step per phase.
-- :func:`pmean_grads` (in ``shard_map``/``pmap``) and :func:`data_parallel_value_and_grad` (a sharded
-  ``jit``): the data-parallel gradient all-reduce in ``reduce_dtype``; :func:`replicate`.
+- ``distributed.pmean_grads`` (in ``shard_map``/``pmap``) and
+  ``distributed.data_parallel_value_and_grad`` (a sharded ``jit``): the data-parallel gradient
+  all-reduce in ``reduce_dtype``; ``distributed.replicate``.
 
 Rooms: ``environment`` (dtypes, device, the policy that runs), ``layers`` (kinds, rows),
 ``cast`` (pytrees), ``watch`` (the probes of :func:`numerics`), ``linen`` and ``nnx`` (each
@@ -59,69 +60,51 @@ import_framework("jax", "jax")
 # -> loss_scale -> sampling -> monitor -> schedule (the room modules apply, cast, plan and loss_scale are
 # shadowed here by the functions of those names: reach them as
 # ``from ampbridge.backends.jax.loss_scale import ...``)
-from .apply import Applied, apply, owns  # noqa: E402
-from .cast import cast, cast_to_compute, cast_to_output, cast_to_param  # noqa: E402
+from .apply import Applied, apply  # noqa: E402
+from .cast import cast  # noqa: E402
 from .environment import dtype, resolve_policy  # noqa: E402
-from .linen import Observed  # noqa: E402  (what Applied.observe returns)
 from .loss_scale import (  # noqa: E402
-    AmpState,
-    LossScaleState,
+    PackedLossScale,
     check,
-    enter_phase,
-    initial_loss_scale,
     loss_scale,
-    next_loss_scale,
     optimizer,
-    reset_loss_scale,
     rollback,
     scale_loss,
     skipped,
-    unscale,
     value_and_grad,
 )
-from .distributed import data_parallel_value_and_grad, pmean_grads, replicate  # noqa: E402
+from . import distributed  # noqa: E402  (a namespace: pmean_grads, data_parallel_value_and_grad, replicate)
 from .monitor import Monitor, Numerics, numerics  # noqa: E402
 from .plan import plan  # noqa: E402
 from .schedule import Schedule  # noqa: E402
 from .trace import trace  # noqa: E402
 from .tune import tune  # noqa: E402
-from .layers import register_kind  # noqa: E402
+from .layers import layers, owns, register_kind  # noqa: E402
 
 __all__ = [
     "Applied",
-    "Observed",
-    "AmpState",
-    "LossScaleState",
     "Monitor",
     "Numerics",
+    "PackedLossScale",
     "Schedule",
     "apply",
     "cast",
-    "cast_to_compute",
-    "cast_to_output",
-    "cast_to_param",
     "check",
-    "data_parallel_value_and_grad",
+    "distributed",
     "dtype",
-    "enter_phase",
-    "initial_loss_scale",
+    "layers",
     "loss_scale",
-    "next_loss_scale",
     "numerics",
     "optimizer",
     "owns",
     "plan",
-    "pmean_grads",
     "register_kind",
-    "replicate",
-    "reset_loss_scale",
     "resolve_policy",
     "rollback",
     "scale_loss",
     "skipped",
     "trace",
     "tune",
-    "unscale",
     "value_and_grad",
 ]
 

@@ -1,7 +1,7 @@
 """Realising the Plan: :func:`apply` (a linen module gives an :class:`Applied`, an NNX module a
-converted copy) and :func:`owns` (what this backend claims).
+converted copy).
 
-Holds: Applied, apply, owns.
+Holds: Applied, apply.
 """
 
 from __future__ import annotations
@@ -265,10 +265,10 @@ class Applied:
                            notes=self.notes, known=self._known, **kwargs)
 
 
-# --- public: apply / owns ---------------------------------------------------------------------
+# --- public: apply ----------------------------------------------------------------------------
 
-def apply(module: Any, policy: Policy | str) -> Any:
-    """Run a Flax module under a policy.
+def apply(model: Any, policy: Policy | str) -> Any:
+    """Run a Flax model under a policy.
 
     A ``flax.linen.Module`` gives an :class:`Applied` (``init``/``apply``/``plan``); a
     ``flax.nnx.Module`` gives a copy of it whose calls follow the Plan (the original is left as it
@@ -283,21 +283,21 @@ def apply(module: Any, policy: Policy | str) -> Any:
     """
     linen = sys.modules.get("flax.linen")
     nnx = sys.modules.get("flax.nnx")
-    if isinstance(module, Applied):
+    if isinstance(model, Applied):
         raise ModelNotSupportedError(
             "ampbridge.jax.apply was given an applied model (what apply returned); apply the policy to its "
             "module instead: ampbridge.jax.apply(amp.module, policy)")
-    if linen is not None and isinstance(module, linen.Module):
-        return Applied(module, policy)
-    if nnx is not None and isinstance(module, nnx.Module):
-        _refuse_applied_nnx(module, nnx)
+    if linen is not None and isinstance(model, linen.Module):
+        return Applied(model, policy)
+    if nnx is not None and isinstance(model, nnx.Module):
+        _refuse_applied_nnx(model, nnx)
         resolved, notes = resolve_policy(policy)
         if resolved.fp8.enabled or any(ph.policy.fp8.enabled for ph in resolved.phases):
             raise UnsupportedOptionError("the [fp8] table is not realised on flax.nnx models (Flax's fp8_ops are "
                                          "linen modules); use a linen model, or leave [fp8] out")
-        return _apply_nnx(module, _phase_policy(resolved), notes)
+        return _apply_nnx(model, _phase_policy(resolved), notes)
     raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
-                    f"{type(module).__module__}.{type(module).__qualname__}. For plain pytrees "
+                    f"{type(model).__module__}.{type(model).__qualname__}. For plain pytrees "
                     "(equinox, haiku) use ampbridge.jax.cast(tree, policy)")
 
 
@@ -314,18 +314,3 @@ def _refuse_applied_nnx(module: Any, nnx: Any) -> None:
             raise ModelNotSupportedError(
                 f"{where} belongs to a model ampbridge.jax.apply returned (it runs that Plan already); apply the "
                 "policy to the original module (apply returns a copy and leaves the original as it was)")
-
-
-def owns(obj: Any) -> bool:
-    """True for Flax modules (linen, NNX) and :class:`Applied`.
-
-    Plain pytrees are not claimed (the registry caches its answer per type, and a ``dict`` may
-    hold any framework's tensors): plan them with ``ampbridge.jax.plan(tree, policy)``.
-    """
-    if isinstance(obj, Applied):
-        return True
-    linen = sys.modules.get("flax.linen")
-    nnx = sys.modules.get("flax.nnx")
-    if linen is not None and isinstance(obj, linen.Module):
-        return True
-    return nnx is not None and isinstance(obj, nnx.Module)

@@ -64,11 +64,12 @@ def pmean_grads(grads: Any, axis_name: Hashable | tuple[Hashable, ...], policy: 
             return g
         if tracked and not tracked <= _varying(g):
             raise UnsupportedOptionError(
-                f"ampbridge.jax.pmean_grads: the gradient {jax.tree_util.keystr(path) or 'leaf'} is already "
+                f"ampbridge.jax.distributed.pmean_grads: the gradient {jax.tree_util.keystr(path) or 'leaf'} "
+                f"is already "
                 f"reduced over {axis_name!r}: shard_map differentiates replicated parameters with an all-reduce "
                 f"of its own, in the gradients' dtype ({g.dtype}), not reduce_dtype ({wire.name}); differentiate "
                 f"device-local copies, params = jax.lax.pcast(params, {axis_name!r}, to='varying'), or use "
-                "check_vma=False, or ampbridge.jax.data_parallel_value_and_grad")
+                "check_vma=False, or ampbridge.jax.distributed.data_parallel_value_and_grad")
         return jax.lax.pmean(g.astype(wire), axis_name).astype(g.dtype)
 
     return jax.tree_util.tree_map_with_path(reduce, grads)

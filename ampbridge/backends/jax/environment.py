@@ -122,7 +122,8 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
     wire = {p.reduce_dtype for p in [resolved] + [ph.policy for ph in resolved.phases] if p.reduce_dtype != p.param_dtype}
     if wire:  # nothing in a model decides the all-reduce: say where reduce_dtype is realised
         notes += (f"reduce_dtype {'/'.join(sorted(wire))} (not param_dtype) is realised where gradients are "
-                  "all-reduced with ampbridge.jax.pmean_grads or data_parallel_value_and_grad; a bare "
+                  "all-reduced with ampbridge.jax.distributed.pmean_grads or .data_parallel_value_and_grad; "
+                  "a bare "
                   "lax.pmean or a sharded jit's own all-reduce runs in the gradients' dtype",)
     return resolved, notes
 

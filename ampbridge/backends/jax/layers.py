@@ -1,8 +1,9 @@
 """The model walk's vocabulary: portable kinds of Flax classes (linen and NNX), class names, the
 facts a Plan note needs, rows resolved from a module's ancestry, and a plain pytree's key paths as
-neutral ``Layer`` descriptors.
+neutral ``Layer`` descriptors; the contract's ``layers``, ``owns`` and ``register_kind``.
 
-Holds: _LINEN_KINDS, _NNX_KINDS, _kind_of, _kind_and_source, _class_name, _has_field, _is_float_dtype_or_none,
+Holds: layers, owns, register_kind,
+_LINEN_KINDS, _NNX_KINDS, _kind_of, _kind_and_source, _class_name, _has_field, _is_float_dtype_or_none,
 _Facts, _facts, _row_notes, _Resolver, _dtype_name, _carried, _author_dtypes, _key_name, _tree_layers.
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -20,8 +23,9 @@ import numpy as np
 
 from ...core.kinds import KindRegistry, infer_kind, settle_kinds
 from ...core.matching import join_path
-from ...core.plan import Layer, PlanRow, RowResolver, with_note
+from ...core.plan import BY_MODEL, Layer, PlanRow, RowResolver, with_note
 from ...core.policy import Policy
+from ..common import room_above
 from .environment import _floating, _linen, _nnx
 
 # --- kinds and rows -----------------------------------------------------------------------------
@@ -154,22 +158,24 @@ def _row_notes(row: PlanRow, facts: _Facts, output_dtype: str | None = None) -> 
     ``output_dtype`` (the policy's) is what the root row ``""`` delivers: the model's outputs are
     cast to it, as in every backend.
     """
-    notes = []
+    notes, changes = [], {}
     low = row.compute_dtype != "float32"
     if row.kind == "norm" and low and facts.float32_reductions:
         notes.append("Flax computes the statistics and the normalisation in float32 "
                      f"(force_float32_reductions); input, parameters and output in {row.compute_dtype}")
+        changes["float32_inside"] = True
     if facts.float32_softmax and low:
         notes.append("softmax in float32 (force_fp32_for_softmax)")
+        changes["float32_inside"] = True
     if facts.batch_norm:
         notes.append("running statistics (batch_stats) kept in float32")
         if row.kind == "norm" and low and not facts.float32_reductions:
             # x - mean with a float32 mean promotes: Flax's (and its copies') BatchNorm normalises in float32
             notes.append("the normalisation runs in float32 (its float32 statistics promote it); "
                          f"input, parameters and output in {row.compute_dtype}")
+            changes["float32_inside"] = True
     if facts.odd_dtype is not None:
         notes.append(f"the module's dtype={facts.odd_dtype} is not a float dtype; left as set")
-    changes = {}
     if row.path == "" and output_dtype is not None:  # the model itself: what its caller receives
         changes["output_dtype"] = output_dtype
         if output_dtype != row.compute_dtype:
@@ -342,3 +348,44 @@ def _tree_layers(tree: Any) -> list[Layer]:
         owner = join_path(*names[:-1])
         seen[owner] = seen.get(owner, 0) + size
     return [Layer(path, None, "", count) for path, count in seen.items()]
+
+
+# --- the contract's walk: layers / owns ---------------------------------------------------------
+
+def layers(model: Any, *example_inputs: Any, **kwargs: Any) -> list[Layer]:
+    """The model's layers as core :class:`~ampbridge.Layer` descriptors, in tree order: what the
+    Plan is built from. A ``flax.linen`` module's layers are only known once it runs, so it needs
+    example inputs (traced, not computed), as ``plan`` does; NNX modules and dicts of arrays do not.
+
+    Example:
+        >>> import jax.numpy as jnp, flax.linen as nn
+        >>> [(layer.path, layer.kind) for layer in layers(nn.Sequential([nn.Dense(4)]), jnp.ones((1, 3)))]
+        [('', None), ('layers_0', 'linear')]
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(model, nnx.Module):
+        return list(room_above(__package__, "nnx")._nnx_layers(model).layers)
+    if isinstance(model, Mapping):
+        return _tree_layers(model)
+    # linen (or its Applied): the rows of its trace, in the order it met them (plan refuses anything else)
+    plan = room_above(__package__, "plan").plan  # linen's walk is its Plan's
+    rows = plan(model, Policy(), *example_inputs, warn=False, **kwargs).rows
+    fixed = {r.path: (r.compute_dtype, r.param_dtype) for r in rows
+             if r.rule == BY_MODEL and r.inherited_from is None}
+    return [Layer(r.path, r.kind, r.class_name, r.param_count, r.kind_source, fixed.get(r.path))
+            for r in rows]
+
+
+def owns(obj: Any) -> bool:
+    """True for Flax modules (linen, NNX) and what ``apply`` returns for linen (``Applied``).
+
+    Plain pytrees are not claimed (the registry caches its answer per type, and a ``dict`` may
+    hold any framework's tensors): plan them with ``ampbridge.jax.plan(tree, policy)``.
+    """
+    if isinstance(obj, room_above(__package__, "apply").Applied):
+        return True
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if linen is not None and isinstance(obj, linen.Module):
+        return True
+    return nnx is not None and isinstance(obj, nnx.Module)

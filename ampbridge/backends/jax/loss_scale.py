@@ -1,7 +1,7 @@
 """Loss scaling as an optax transformation: the core's reference algorithm in float32/int32
 ``jnp`` (jit- and scan-safe, no host sync), and the helpers that find its state in any optax state.
 
-Holds: COUNTERS, LossScaleState, AmpState, optimizer, loss_scale, scale_loss, unscale, check,
+Holds: COUNTERS, PackedLossScale, AmpState, optimizer, loss_scale, scale_loss, unscale, check,
 next_loss_scale, initial_loss_scale, reset_loss_scale, enter_phase, value_and_grad, skipped, rollback,
 _advance, _mul_exact.
 """
@@ -27,11 +27,11 @@ from ..private_hooks import tested_range
 from .environment import _optax, _phase_policy, resolve_policy
 
 
-#: the int32 counters of :class:`LossScaleState`, in the order they sit in ``counters``
+#: the int32 counters of :class:`PackedLossScale`, in the order they sit in ``counters``
 COUNTERS = ("good_steps", "hysteresis_left", "steps", "skipped", "min_scale_hits", "nonfinite_streak")
 
 
-class LossScaleState(NamedTuple):
+class PackedLossScale(NamedTuple):
     """The loss-scale state as two JAX arrays: ``scale`` (float32) and ``counters`` (int32, last axis
     :data:`COUNTERS`), so jit, tree_map, ``lax.scan`` and checkpoints (orbax, flax.serialization)
     keep all of it, and a jitted step passes two buffers, as jmp's ``DynamicLossScale`` does (each
@@ -44,7 +44,7 @@ class LossScaleState(NamedTuple):
     fields with :meth:`replace`.
 
     Example:
-        >>> s = LossScaleState.from_fields(8.0, good_steps=3, hysteresis_left=1)
+        >>> s = PackedLossScale.from_fields(8.0, good_steps=3, hysteresis_left=1)
         >>> float(s.scale), int(s.good_steps), s.counters.shape, int(s.replace(steps=4).steps)
         (8.0, 3, (6,), 4)
     """
@@ -80,7 +80,7 @@ class LossScaleState(NamedTuple):
 
     @classmethod
     def from_fields(cls, scale: Any, good_steps: Any = 0, hysteresis_left: Any = 1, steps: Any = 0,
-                    skipped: Any = 0, min_scale_hits: Any = 0, nonfinite_streak: Any = 0) -> "LossScaleState":
+                    skipped: Any = 0, min_scale_hits: Any = 0, nonfinite_streak: Any = 0) -> "PackedLossScale":
         """The state from its seven fields (arrays or numbers; equal shapes)."""
         counters = (good_steps, hysteresis_left, steps, skipped, min_scale_hits, nonfinite_streak)
         if all(isinstance(c, (int, np.integer, np.ndarray)) for c in counters):  # host values: one transfer
@@ -89,26 +89,26 @@ class LossScaleState(NamedTuple):
         return cls(jnp.asarray(scale, jnp.float32),
                    jnp.stack([jnp.asarray(c, jnp.int32) for c in counters], axis=-1))
 
-    def replace(self, **fields: Any) -> "LossScaleState":
+    def replace(self, **fields: Any) -> "PackedLossScale":
         """The state with the named fields (any of ``scale`` and :data:`COUNTERS`) replaced."""
         unknown = sorted(set(fields) - {"scale", *COUNTERS})
         if unknown:
-            raise TypeError(f"LossScaleState.replace: unknown field(s) {', '.join(unknown)}; accepted: "
+            raise TypeError(f"PackedLossScale.replace: unknown field(s) {', '.join(unknown)}; accepted: "
                             f"scale, {', '.join(COUNTERS)}")
         scale = fields.get("scale", self.scale)
         if not set(fields) & set(COUNTERS):
-            return LossScaleState(scale, self.counters)
-        return LossScaleState.from_fields(scale, *(fields[n] if n in fields else getattr(self, n)
+            return PackedLossScale(scale, self.counters)
+        return PackedLossScale.from_fields(scale, *(fields[n] if n in fields else getattr(self, n)
                                                    for n in COUNTERS))
 
     def to_reference(self) -> ReferenceState:
-        """The core's ``LossScaleState`` (host values; this reads the device once)."""
+        """The core's ``PackedLossScale`` (host values; this reads the device once)."""
         good, hyst, steps, skipped, _, streak = (int(c) for c in np.asarray(self.counters))
         return ReferenceState(scale=float(self.scale), good_steps=good, hysteresis_left=hyst, steps=steps,
                               skipped=skipped, nonfinite_streak=streak)
 
     @classmethod
-    def from_reference(cls, state: ReferenceState, min_scale_hits: int = 0) -> "LossScaleState":
+    def from_reference(cls, state: ReferenceState, min_scale_hits: int = 0) -> "PackedLossScale":
         return cls.from_fields(state.scale, state.good_steps, state.hysteresis_left, state.steps,
                                state.skipped, min_scale_hits, state.nonfinite_streak)
 
@@ -116,7 +116,7 @@ class LossScaleState(NamedTuple):
 class AmpState(NamedTuple):
     """The state of :func:`optimizer`: the loss-scale state and the inner optimizer's state."""
 
-    loss_scale: LossScaleState
+    loss_scale: PackedLossScale
     inner_state: Any
 
 
@@ -129,8 +129,8 @@ def _config(policy: Policy | LossScaleConfig | str) -> tuple[LossScaleConfig, st
     return resolved.resolved_loss_scale, resolved.compute_dtype
 
 
-def _initial(cfg: LossScaleConfig) -> LossScaleState:
-    return LossScaleState.from_reference(_reference_initial_state(cfg))
+def _initial(cfg: LossScaleConfig) -> PackedLossScale:
+    return PackedLossScale.from_reference(_reference_initial_state(cfg))
 
 
 _F32_INF_BITS = 0x7F800000
@@ -177,8 +177,8 @@ def _mul_exact(x: jax.Array, factor: float) -> jax.Array:
     return jax.lax.bitcast_convert_type(out.astype(i32), f32)
 
 
-def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array,
-             finite: jax.Array | None = None) -> tuple[LossScaleState, jax.Array]:
+def _advance(cfg: LossScaleConfig, s: PackedLossScale, found_inf: jax.Array,
+             finite: jax.Array | None = None) -> tuple[PackedLossScale, jax.Array]:
     """One step of the reference algorithm in float32/int32 ``jnp``; returns (state, halted).
 
     ``halted`` is True when ``on_min_scale = "error"`` stops the run: the reference raises before
@@ -197,7 +197,7 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array,
                   if cfg.max_consecutive_skips is not None else streak)
     if cfg.mode != "dynamic":  # steps, skipped and the streak count, nothing else moves
         moved = counters + _pack(0, 0, 1, skips, 0, 0, like=skips)
-        return LossScaleState(s.scale, moved.at[..., 5].set(new_streak)), jnp.zeros((), bool)
+        return PackedLossScale(s.scale, moved.at[..., 5].set(new_streak)), jnp.zeros((), bool)
     scale, good, hyst = s.scale, counters[..., 0], counters[..., 1]
     # Plain float32 products are exact while the scale stays normal, which a normal min_scale
     # guarantees (a flushed backoff product loses to the floor either way); otherwise go exact.
@@ -239,7 +239,7 @@ def _advance(cfg: LossScaleConfig, s: LossScaleState, found_inf: jax.Array,
     new_hyst = _select(found_inf, _select(exhausted, hyst, hyst - 1), hyst_finite)
     # steps, skipped and min_scale_hits count up: one add on the last three counters
     tail = counters[..., 2:5] + _pack(1, skips, event.astype(i32), like=skips)
-    new = LossScaleState(new_scale, jnp.concatenate([new_good[..., None], new_hyst[..., None], tail,
+    new = PackedLossScale(new_scale, jnp.concatenate([new_good[..., None], new_hyst[..., None], tail,
                                                      new_streak[..., None]], axis=-1))
     if cfg.on_min_scale != "error" or cfg.min_scale is None:
         return new, jnp.zeros((), bool)
@@ -273,8 +273,8 @@ def _select(pred: jax.Array, on_true: jax.Array, on_false: jax.Array) -> jax.Arr
     return jnp.where(pred, on_true, on_false)
 
 
-def next_loss_scale(config: Policy | LossScaleConfig | str, state: LossScaleState,
-                    found_inf: Any) -> LossScaleState:
+def next_loss_scale(config: Policy | LossScaleConfig | str, state: PackedLossScale,
+                    found_inf: Any) -> PackedLossScale:
     """One step of the reference loss-scale algorithm on JAX arrays (jit- and scan-safe).
 
     This is what :func:`optimizer` runs each step; ``found_inf`` is a boolean scalar.
@@ -290,7 +290,7 @@ def next_loss_scale(config: Policy | LossScaleConfig | str, state: LossScaleStat
     return _advance(cfg, state, found_inf)[0]
 
 
-def initial_loss_scale(config: Policy | LossScaleConfig | str) -> LossScaleState:
+def initial_loss_scale(config: Policy | LossScaleConfig | str) -> PackedLossScale:
     """The loss-scale state before the first step (the reference ``initial_state``)."""
     cfg, _ = _config(config)
     return _initial(cfg)
@@ -439,7 +439,7 @@ def _keep_or_skip(take: jax.Array, updates: Any, inner_state: Any, old_inner_sta
     return updates, jax.tree_util.tree_map(lambda a, b: _select(take, a, b), inner_state, old_inner_state)
 
 
-def _verify_first_update(finite: jax.Array, before: LossScaleState, after: LossScaleState, proposed: Any,
+def _verify_first_update(finite: jax.Array, before: PackedLossScale, after: PackedLossScale, proposed: Any,
                          returned: Any) -> bool:
     """The first-step guard (docs/versions.md), run on the host once, on the first update called with
     values (inside ``jit`` nothing can be read: it waits for an eager call, and costs nothing).
@@ -477,17 +477,17 @@ def _unwrap_variables(tree: Any) -> Any:
     return jax.tree_util.tree_map(value, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def _find_states(tree: Any) -> list[LossScaleState]:
+def _find_states(tree: Any) -> list[PackedLossScale]:
     tree = _unwrap_variables(tree)
-    if isinstance(tree, LossScaleState):
+    if isinstance(tree, PackedLossScale):
         return [tree]
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (AmpState, LossScaleState)))
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (AmpState, PackedLossScale)))
     return [x.loss_scale if isinstance(x, AmpState) else x for x in leaves
-            if isinstance(x, (AmpState, LossScaleState))]
+            if isinstance(x, (AmpState, PackedLossScale))]
 
 
-def loss_scale(opt_state: Any) -> LossScaleState:
-    """The :class:`LossScaleState` inside an optimizer state (any optax chain, ``MultiSteps``,
+def loss_scale(opt_state: Any) -> PackedLossScale:
+    """The :class:`PackedLossScale` inside an optimizer state (any optax chain, ``MultiSteps``,
     ``inject_hyperparams``, or an ``nnx.Optimizer``)."""
     found = _find_states(opt_state)
     if len(found) == 1:
@@ -527,7 +527,7 @@ def check(opt_state: Any, policy: Policy | LossScaleConfig | str) -> ReferenceSt
 
     ``"error"`` raises :class:`ampbridge.LossScaleError` once the scale has overflowed at
     ``min_scale`` (the optimizer has skipped every step since); ``"warn"`` warns once per policy;
-    ``"clamp"`` does nothing. Returns the state as the core's ``LossScaleState``, for logging.
+    ``"clamp"`` does nothing. Returns the state as the core's ``PackedLossScale``, for logging.
     """
     cfg, _ = _config(policy)
     state = loss_scale(opt_state)
@@ -578,7 +578,7 @@ def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConf
         before = ls.to_reference()
         after = reference_enter_phase(config, before, previous=previous, reset=reset)
         hits = int(ls.min_scale_hits) if after is before else 0
-        return x._replace(loss_scale=LossScaleState.from_reference(after, hits))
+        return x._replace(loss_scale=PackedLossScale.from_reference(after, hits))
 
     return jax.tree_util.tree_map(move, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
 
@@ -630,7 +630,7 @@ def skipped(opt_state: Any, previous: Any) -> jax.Array:
 
     Read from the loss-scale states: a skipped non-finite step counts in ``skipped``; a step
     ``on_min_scale = "error"`` stopped leaves the state frozen (``steps`` unchanged). Either may
-    be an optimizer state, an ``nnx.Optimizer`` or a :class:`LossScaleState` (for an
+    be an optimizer state, an ``nnx.Optimizer`` or a :class:`PackedLossScale` (for an
     ``nnx.Optimizer``, which changes in place, keep ``loss_scale(optimizer)`` from before).
     """
     after, before = loss_scale(opt_state), loss_scale(previous)

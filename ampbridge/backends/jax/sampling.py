@@ -14,10 +14,10 @@ from typing import Any
 
 import jax
 
-from .loss_scale import AmpState, LossScaleState, _find_states
+from .loss_scale import AmpState, PackedLossScale, _find_states
 
 
-def _scale_state(state: tuple, at: int | None = None) -> tuple[LossScaleState, int]:
+def _scale_state(state: tuple, at: int | None = None) -> tuple[PackedLossScale, int]:
     """The loss-scale state in the training state (linen: in ``opt_state``; NNX: the optimizer's)
     and the position of the element holding it (``at``: where it was last time, looked at alone)."""
     x = state[at] if at is not None else None

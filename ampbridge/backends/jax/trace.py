@@ -1,4 +1,4 @@
-"""What one forward really ran in: ``trace(model, policy, *inputs)`` applies the policy, traces one
+"""What one forward really ran in: ``trace(model, policy, *example_inputs)`` applies the policy, traces one
 forward (``jax.make_jaxpr``: nothing is computed or compiled) and writes the observed dtypes onto
 the static Plan's rows.
 
@@ -28,9 +28,9 @@ _ACTED = "\x00acted"  # _ran's key for the paths that ran any op
 _MAIN = {"dot_general": None, "conv_general_dilated": None, "rsqrt": "norm", "gather": "embedding"}
 
 
-def trace(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True, **kwargs: Any) -> Plan:
+def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True, **kwargs: Any) -> Plan:
     """The Plan of a Flax model (linen or NNX) with each row's compute and output dtype as one
-    traced forward on ``inputs`` ran them; the model itself is untouched.
+    traced forward on ``example_inputs`` ran them; the model itself is untouched.
 
     Rows changed by the trace say ``traced: ran ...``; modules that did not run say so.
 
@@ -44,11 +44,11 @@ def trace(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True, **k
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(model, nnx.Module):
         static = _static_plan(model, policy, warn=warn)
-        ran, delivered = _trace_nnx(apply(model, static.policy), inputs, kwargs)
+        ran, delivered = _trace_nnx(apply(model, static.policy), example_inputs, kwargs)
     else:
-        static = _static_plan(model, policy, *inputs, warn=warn, **kwargs)
+        static = _static_plan(model, policy, *example_inputs, warn=warn, **kwargs)
         applied = model if isinstance(model, Applied) else apply(model, static.policy)
-        ran, delivered = _trace_linen(applied, inputs, kwargs)
+        ran, delivered = _trace_linen(applied, example_inputs, kwargs)
     acted = {m for _, m in ran.pop(_ACTED, ())}
     rows = []
     for row in static.rows:
@@ -58,9 +58,9 @@ def trace(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True, **k
         if row.path not in acted:  # a deterministic Dropout returns its input: no op ran
             rows.append(with_note(row, join_notes(row.note, NO_OP)))
             continue
-        noted_f32 = "float32" in (row.note or "")  # e.g. Flax's norm statistics: the static row says so
+        # Flax's float32 norm statistics: the static row says so, the rsqrt would only repeat it
         ops = {d for prim, d in ran.get(row.path, ()) if _MAIN[prim] in (None, row.kind)
-               and not (prim == "rsqrt" and noted_f32)}
+               and not (prim == "rsqrt" and row.float32_inside)}
         rows.append(traced_row(row, ops, delivered.get(row.path)))
     return traced_plan(static, rows, ran=set(delivered) | set(ran))
 

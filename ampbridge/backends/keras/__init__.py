@@ -35,13 +35,13 @@ import_framework("keras", "keras")  # before any room imports it: a clear error 
 
 from .apply import apply, scope  # noqa: E402
 from .environment import bfloat16_rounding, device, resolve_policy, set_matmul_precision  # noqa: E402
-from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noqa: E402
+from .layers import kind_and_source, kind_of, layers, owns, register_kind, walk  # noqa: E402
 from .loss_scale import LossScaleCallback, LossScaleOptimizer, optimizer  # noqa: E402
 from .monitor import Monitor, MonitorCallback  # noqa: E402
-from .plan import MixedDTypePolicy, dtype_policy  # noqa: E402
+from .plan import MixedDTypePolicy, dtype_policy, plan  # noqa: E402
 from .saving import load_model, stored_policy  # noqa: E402
 from .schedule import PhaseCallback  # noqa: E402
-from .trace import plan  # noqa: E402  (static Plan, traced when example inputs are given)
+from .trace import trace  # noqa: E402
 from .tune import tune  # noqa: E402
 
 __all__ = [
@@ -67,5 +67,7 @@ __all__ = [
     "scope",
     "set_matmul_precision",
     "stored_policy",
+    "trace",
     "tune",
+    "walk",
 ]

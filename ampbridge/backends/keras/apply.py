@@ -24,7 +24,7 @@ from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from . import fp8
 from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
-from .layers import _AUTHOR, _AUTO, _code_caller, _describe, kind_of, layers
+from .layers import _AUTHOR, _AUTO, _code_caller, _describe, kind_of, walk
 from .plan import _FLOATS, _same_policy, _streams, dtype_policy
 from .policy_map import carry_pins
 
@@ -173,7 +173,7 @@ def _recast_constants(layer: Any) -> None:
 
 def _refresh_torch_params(model: Any) -> None:
     # torch.nn.Module keeps its own ParameterDict of the variables' tensors
-    for _, layer in layers(model):
+    for _, layer in walk(model):
         if "_torch_params" in layer.__dict__ or hasattr(layer, "_torch_params"):
             layer._track_variables()
 
@@ -305,9 +305,9 @@ def _attach_policy_asset(model: Any) -> None:
         policy = getattr(owner, "_ampbridge_policy", None)
         if policy is not None:
             # the author's dtypes too: a layer made from a saved config cannot tell them apart
-            fixed = {path: list(layer.__dict__[_AUTHOR]) for path, layer in layers(owner)
+            fixed = {path: list(layer.__dict__[_AUTHOR]) for path, layer in walk(owner)
                      if layer.__dict__.get(_AUTHOR) is not None}
-            auto = sorted({layer.name for _, layer in layers(owner) if layer.__dict__.get(_AUTO) == layer.name})
+            auto = sorted({layer.name for _, layer in walk(owner) if layer.__dict__.get(_AUTO) == layer.name})
             with open(os.path.join(str(dir_path), _POLICY_ASSET), "w", encoding="utf-8") as f:
                 json.dump({"format": 1, "policy": policy.to_dict(), "set_by_the_model": fixed,
                            "automatic_names": auto}, f)

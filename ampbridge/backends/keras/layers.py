@@ -1,7 +1,8 @@
 """The walk of a Keras model: nested layers by path, their portable kinds, and the neutral
 ``Layer`` descriptors the core plans from.
 
-Names: ``layers``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
+Names: ``walk`` (``(path, keras layer)`` pairs), ``layers`` (core ``Layer`` descriptors), ``kind_of``,
+``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
 ``_children``, ``_own_params``, ``_describe``. Kinds: ``ampbridge_kind``, ``register_kind``, Keras's classes, then
 the core's inference from the class's and its bases' names (:mod:`ampbridge.core.kinds`).
 """
@@ -153,7 +154,7 @@ def _children(layer: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def layers(model: Any) -> Iterator[tuple[str, Any]]:
+def walk(model: Any) -> Iterator[tuple[str, Any]]:
     """``(path, layer)`` for the model (path ``""``) and every nested layer, depth first.
 
     Paths join the layers' names with ``.``, relative to ``model``; a layer reached twice (shared)
@@ -167,7 +168,7 @@ def layers(model: Any) -> Iterator[tuple[str, Any]]:
     Example:
         >>> import keras
         >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
-        >>> [path for path, _ in layers(m)]
+        >>> [path for path, _ in walk(m)]
         ['', 'head']
     """
     if not isinstance(model, keras.layers.Layer):
@@ -274,9 +275,22 @@ def author_dtypes(layer: Any, parent: Any = None) -> tuple[str, str] | None:
     return fixed
 
 
+def layers(model: Any) -> list[Layer]:
+    """The model's layers as core :class:`~ampbridge.Layer` descriptors (path, kind, class, own
+    parameter count), in :func:`walk`'s order: what the Plan is built from.
+
+    Example:
+        >>> import keras
+        >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
+        >>> [(layer.path, layer.kind, layer.param_count) for layer in layers(m)]
+        [('', None, 0), ('head', 'linear', 3)]
+    """
+    return _describe(model)[0]
+
+
 def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
     described, by_path = [], {}
-    for path, layer in layers(model):
+    for path, layer in walk(model):
         kind, source = kind_and_source(layer)
         parent = by_path.get(path.rsplit(".", 1)[0] if "." in path else "") if path else None
         fixed = author_dtypes(layer, parent) if path else None  # the model's own dtype is the user's
@@ -295,7 +309,7 @@ def _code_caller(path: str, by_path: dict[str, Any]) -> str | None:
         >>> import keras
         >>> x = keras.Input((3, 4))
         >>> m = keras.Model(x, keras.layers.MultiHeadAttention(2, 2, name="mha")(x, x))
-        >>> by_path = dict(layers(m))
+        >>> by_path = dict(walk(m))
         >>> _code_caller("mha", by_path), _code_caller("mha.query", by_path)
         (None, 'mha')
     """

@@ -19,7 +19,7 @@ from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refresh_compiled
 from .environment import _backend, _phase0
-from .layers import _children, layers
+from .layers import _children, walk
 from .loss_scale import LossScaleOptimizer, _model_of, _replicas
 from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec, all_finite
 from .plan import plan
@@ -178,7 +178,8 @@ class Monitor:
         (0, ['dense'], 0.0)
     """
 
-    def __init__(self, path: Any, model: Any, optimizer: Any = None, *, every: int = 1, attribution: bool = True):
+    def __init__(self, path: Any, model: Any, *, optimizer: Any = None, every: int = 1,
+                 attribution: bool = True):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor: every must be a positive integer (log every N-th step); received "
                              f"every={every!r}")
@@ -268,7 +269,7 @@ class Monitor:
         """(Re)build the probes and the optimizer's layout from the model's current Plan (also after
         :func:`apply` changes the policy, e.g. at a phase boundary)."""
         rows = plan(self.model, self._policy(), warn=False)
-        by_path = dict(layers(self.model))
+        by_path = dict(walk(self.model))
         self.layers = [row.path for row in rows if row.path]
         index = {path: i for i, path in enumerate(self.layers)}
         stats, leaf_of = [], {}
@@ -333,7 +334,7 @@ class Monitor:
             return
         if getattr(self.model, "_jax_state", None) and not getattr(self.model, "_jax_state_synced", True):
             self.model.jax_state_sync()  # the traced state holds the slots: put it back first
-        for _, layer in layers(self.model):
+        for _, layer in walk(self.model):
             wrapper = layer.__dict__.get(_WRAPPER)
             if wrapper is not None and isinstance(wrapper.probe, (_LeafProbe, _RootProbe)):
                 wrapper.probe = None

@@ -1,7 +1,8 @@
 """The Plan of a Keras model (the core's rules, plus the rows where Keras itself does otherwise),
 and the Keras dtype policy each row becomes.
 
-Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_adjuster``, ``_streams``, ``_same_policy``, ``_FLOATS``.
+Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_static_plan``,
+``_adjuster``, ``_streams``, ``_same_policy``, ``_FLOATS``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import keras
 
 from ...core.plan import Plan, PlanRow, build_plan, stream_notes, with_note
 from ...core.policy import Policy
+from ..common import room_above
 from .environment import _backend, _phase0, resolve_policy
 from .layers import _code_caller, _describe
 
@@ -95,6 +97,7 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
             # ops.layer_normalization / batch_normalization / rms_normalization upcast to float32
             notes.append(f"Keras normalises in float32 internally, output {row.output_dtype}")
             changes["compute_dtype"] = "float32"
+            changes["float32_inside"] = True
         if half and isinstance(layer, keras.layers.Embedding) and row.param_dtype != row.compute_dtype:
             # Embedding turns autocast off: the lookup reads the table as stored, then casts the rows
             notes.append(f"Keras looks embeddings up in their stored dtype {row.param_dtype}, "
@@ -104,6 +107,7 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
             if str(keras.src.backend.torch.core.get_device()) == "cpu":
                 notes.append("Keras-on-torch computes float16 softmax in float32 internally on CPU")
                 changes["compute_dtype"] = "float32"
+                changes["float32_inside"] = True
         parent = by_path.get(row.path.rsplit(".", 1)[0]) if "." in row.path else None
         if row.path.endswith((".softmax", ".dropout")) and isinstance(parent, keras.layers.MultiHeadAttention):
             notes.append("runs only when MultiHeadAttention takes its explicit path (dropout > 0, attention "
@@ -129,8 +133,9 @@ def _streams(policy: Policy, by_path: dict[str, Any]):
     return stream_notes(policy, lambda path: _code_caller(path, by_path))
 
 
-def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
-    """The Plan of a Keras model under a policy: one row per layer, what will actually run.
+def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
+    """The Plan of a Keras model under a policy: one row per layer, what will actually run; with
+    example inputs it is :func:`~ampbridge.backends.keras.trace.trace`'s (one forward on a clone).
 
     Rows where Keras itself overrides the request say so in their ``note`` (norm layers
     normalise in float32 whatever their compute dtype; see docs/keras.md).
@@ -141,6 +146,13 @@ def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
         >>> plan(m, ampbridge.preset("mixed_bfloat16"))["head"].compute_dtype
         'bfloat16'
     """
+    if example_inputs:
+        return room_above(__package__, "trace").trace(model, policy, *example_inputs, warn=warn)
+    return _static_plan(model, policy, warn=warn)
+
+
+def _static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
+    """The Plan from the model's structure alone (no forward runs)."""
     policy, notes = resolve_policy(policy, warn=warn)
     described, by_path = _describe(model)
     from .fp8 import mark_rows

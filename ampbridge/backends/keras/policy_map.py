@@ -27,7 +27,7 @@ from typing import Any
 import keras
 
 from ...errors import warn_once
-from .layers import _AUTHOR, _code_caller, layers
+from .layers import _AUTHOR, _code_caller, walk
 from .plan import MixedDTypePolicy
 
 _CARRIER = "_ampbridge_carries_pins"  # in a layer's __dict__: its get_config writes the map
@@ -59,12 +59,12 @@ def _recast_output(layer: Any) -> bool:
 
 def _uncarried(layer: Any) -> dict[str, list[str]]:
     """Sublayers whose policy differs from ``layer``'s that the map leaves out, by reason (paths
-    as ``ampbridge.keras.layers`` writes them): ``"no Keras path"`` (Keras gives a layer its
+    as ``ampbridge.keras.walk`` writes them): ``"no Keras path"`` (Keras gives a layer its
     ``path`` when it builds; layers without a ``build`` never get one and take the map's default,
     unless their code fixes a dtype), an output ampbridge casts for its caller's code, and (saved on
     TensorFlow) an output that meets its caller's stream of another dtype."""
     own = _pair(_resolved(layer))
-    by_path = dict(layers(layer))
+    by_path = dict(walk(layer))
     out: dict[str, list[str]] = {}
     for path, sub in by_path.items():
         policy = _pair(_resolved(sub))
@@ -101,7 +101,7 @@ def policy_map(layer: Any) -> Any:
     own = _resolved(layer)
     left_out = {path for paths in _uncarried(layer).values() for path in paths}
     entries = {}
-    for path, sub in layers(layer):
+    for path, sub in walk(layer):
         if sub is layer or sub.path is None or path in left_out:
             continue
         policy = _resolved(sub)
@@ -127,7 +127,7 @@ def carry_pins(model: Any) -> None:
         >>> keras.layers.MultiHeadAttention.from_config(mha.get_config()).dtype_policy["mha/key"].name
         'float16'
     """
-    for _, layer in layers(model):
+    for _, layer in walk(model):
         if not layer._layers or layer.__dict__.get(_CARRIER):
             continue
         _carry(layer)

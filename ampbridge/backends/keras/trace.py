@@ -1,9 +1,8 @@
-"""What one forward really ran in: ``plan(model, policy, *inputs)`` applies the policy to a clone of
-the model, runs one forward with a probe on every layer and writes the observed dtypes onto the
-static Plan's rows.
+"""What one forward really ran in: ``trace(model, policy, *example_inputs)`` applies the policy to a
+clone of the model, runs one forward with a probe on every layer and writes the observed dtypes onto
+the static Plan's rows.
 
-Holds ``plan`` (the package's public one: the static Plan of the ``plan`` room, traced when inputs
-are given).
+Holds ``trace``.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .apply import _is_float, apply
 from .environment import _backend
-from .layers import layers
-from .plan import plan as _static_plan
+from .layers import walk
+from .plan import _static_plan
 
 
-def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> Plan:
+def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
     """The Plan of a Keras model under a policy; with example inputs, one forward runs (on a clone,
     applied; the model itself is untouched) and each row's compute and output dtype are what ran.
 
@@ -33,26 +32,27 @@ def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> P
     Example:
         >>> import keras, ampbridge
         >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")])
-        >>> plan(m, "mixed_bfloat16", keras.ops.ones((1, 2)))["head"].output_dtype
+        >>> trace(m, "mixed_bfloat16", keras.ops.ones((1, 2)))["head"].output_dtype
         'bfloat16'
     """
+    if not example_inputs:
+        raise TypeError("trace(model, policy, *example_inputs) needs example inputs; plan(model, policy) is "
+                        "the static Plan")
     static = _static_plan(model, policy, warn=warn)
-    if not inputs:
-        return static
     try:
         twin = keras.models.clone_model(model)
         twin.set_weights(model.get_weights())
     except Exception as e:  # clone_model needs a Functional/Sequential model or a get_config
-        raise UnsupportedOptionError(f"plan(model, policy, *inputs) traces a clone of the model; "
+        raise UnsupportedOptionError(f"trace(model, policy, *example_inputs) traces a clone of the model; "
                                      f"keras.models.clone_model refused {type(model).__name__}: {e}") from e
     restore = _matmul_precision_restorer()  # apply sets it process-wide; a Plan changes nothing
     try:
         apply(twin, static.policy, warn=False)
         records = _probe(twin)
-        twin(*inputs)
+        twin(*example_inputs)
     finally:
         restore()
-    composite = {p: isinstance(layer, keras.Model) for p, layer in layers(twin)}  # its call is its graph
+    composite = {p: isinstance(layer, keras.Model) for p, layer in walk(twin)}  # its call is its graph
     rows = []
     for row in static.rows:
         rec = records.get(row.path)
@@ -65,7 +65,7 @@ def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> P
         if rec["returns"] and not rec["acted"]:  # its call ran no op: the static row stays
             rows.append(with_note(row, join_notes(row.note, NO_OP)))
             continue
-        internal = "internally" in (row.note or "")  # Keras upcasts inside the call: the probe cannot see it
+        internal = row.float32_inside  # Keras upcasts inside the call: the probe cannot see it
         compute = None if internal or composite.get(row.path) else rec["returns"]
         rows.append(traced_row(row, compute, rec["outputs"]))
     ran = {path for path, rec in records.items() if rec["returns"] or rec["outputs"]}
@@ -76,7 +76,7 @@ def _probe(model: Any) -> dict[str, dict[str, set[str]]]:
     """Per layer path: the float dtypes its ``call`` returns and ``layer(...)`` returns (outermost:
     the clone's class is swapped for a recording subclass, whatever wraps ``call``)."""
     records: dict[str, dict[str, set[str]]] = {}
-    for path, layer in layers(model):
+    for path, layer in walk(model):
         rec = records.setdefault(path, {"returns": set(), "outputs": set(), "acted": set()})
         inner = layer.call
 

@@ -15,14 +15,16 @@ from ..common import doctests, import_framework
 import_framework("torch", "torch")
 
 # the rooms, in layers: environment -> layers -> forward -> plan -> monitor -> loss_scale -> schedule
-# -> trace -> apply -> distributed -> trainers -> tune (the room modules apply, plan and layers are shadowed here by the
-# functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
-from .apply import ModelNotSupportedError, TorchAmp, apply, plan  # noqa: E402
+# -> trace -> apply -> distributed -> trainers -> tune (the room modules apply, plan, trace and layers are shadowed
+# here by the functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
+from .apply import ModelNotSupportedError, TorchAmp, apply  # noqa: E402
 from .distributed import FSDPPrecision, deepspeed_initialize, fsdp_policy, wrap_ddp, wrap_fsdp  # noqa: E402
 from .environment import DTYPES, cpu_lstm_takes_float32_inputs, native_dtype  # noqa: E402
 from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noqa: E402
 from .loss_scale import GradScaler, StepResult  # noqa: E402
 from .monitor import Monitor  # noqa: E402
+from .plan import plan  # noqa: E402
+from .trace import trace  # noqa: E402
 from .trainers import HFTrainerMixin, fabric_precision, hf_trainer, lightning_precision  # noqa: E402
 from .tune import tune  # noqa: E402
 
@@ -49,6 +51,7 @@ __all__ = [
     "owns",
     "plan",
     "register_kind",
+    "trace",
     "tune",
     "wrap_ddp",
     "wrap_fsdp",

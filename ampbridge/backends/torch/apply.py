@@ -1,5 +1,4 @@
-"""Realising the Plan on the model: ``apply`` and the ``TorchAmp`` it returns, and ``plan`` (what
-``apply`` would run, traced with example inputs).
+"""Realising the Plan on the model: ``apply`` and the ``TorchAmp`` it returns.
 
 What runs where:
 
@@ -20,15 +19,13 @@ What runs where:
 A policy without pins is bit-identical to plain ``torch.autocast`` + ``torch.amp.GradScaler``:
 ampbridge adds casts only where a rule or a storage dtype needs them.
 
-Holds ``apply``, ``TorchAmp``, ``plan``, ``ModelNotSupportedError`` and ``_check_model``.
+Holds ``apply``, ``TorchAmp``, ``ModelNotSupportedError`` and ``_check_model``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,14 +35,13 @@ import torch
 from torch import nn
 
 from ...core.loss_scale import LossScaleState
-from ...core.plan import Plan, PlanRow, build_plan, with_note
+from ...core.plan import Plan
 from ...core.policy import Policy
-from ...errors import AmpBridgeError, AmpBridgeWarning
+from ...errors import AmpBridgeError
 from ..common import environment
 from .environment import _device_type_of, _resolve_for_device
 from . import fp8
 from .forward import _install, _installed, _keep_slow_path, _matmul_precision, _MhaSlowPath, _region, _uninstall
-from .layers import layers
 from .loss_scale import GradScaler, StepResult
 from .monitor import Monitor
 from .plan import _Realisation, _realise
@@ -100,7 +96,7 @@ def _check_model(model: Any) -> None:
                                          "remove that first (amp.remove())")
 
 
-def apply(model: nn.Module, policy: Policy | str | Path, device_type: str | None = None) -> "TorchAmp":
+def apply(model: nn.Module, policy: Policy | str | Path, *, device_type: str | None = None) -> "TorchAmp":
     """Realise a policy on a model in place; returns the :class:`TorchAmp` that drives training.
 
     ``policy``: a Policy, a preset name or a policy file path. ``device_type``: where autocast
@@ -339,7 +335,7 @@ class TorchAmp:
         if self._monitor is not None and not self._monitor.closed:
             raise AmpBridgeError(f"this model already has a monitor writing {str(self._monitor.path)!r}; close it "
                                  "first (monitor.close())")
-        self._monitor = Monitor(self, path, every, attribution=attribution)
+        self._monitor = Monitor(path, self, every=every, attribution=attribution)
         return self._monitor
 
     def trace(self, *args: Any, **kwargs: Any) -> Plan:
@@ -379,50 +375,3 @@ class TorchAmp:
                              f"unknown keys {sorted(unknown)}")
         restore_position(self, int(state.get("step", 0)), int(state.get("epoch", 0)))
         self.scaler.load_loss_scale_state(LossScaleState.from_dict(state["loss_scale"]))
-
-
-# --- plan (what apply would run; traced with example inputs) --------------------------------
-
-def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, device_type: str | None = None,
-         **example_kwargs: Any) -> Plan:
-    """The Plan of a model under a policy (what ``apply`` would run).
-
-    With example inputs, one forward runs (on a copy, applied, without gradients) and every row
-    shows the dtype its module really computed in.
-
-    Example:
-        >>> import torch
-        >>> p = plan(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1)), "mixed_bfloat16")
-        >>> p["1"].note
-        "follows its input's dtype: cpu autocast leaves Softmax alone (bfloat16 when fed by a bfloat16 layer)"
-    """
-    policy, env_notes = environment(policy, "torch", warn=False)  # what apply would run
-    if not example_inputs and not example_kwargs:
-        device_type = _device_type_of(model, device_type) if not isinstance(model, torch.jit.ScriptModule) else (
-            device_type or "cpu")
-        resolved, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
-        notes = list(env_notes) + notes
-        if isinstance(model, torch.jit.ScriptModule):
-            def model_output(row: PlanRow) -> PlanRow:
-                out = resolved.output_dtype
-                if row.path or row.output_dtype == out:
-                    return row
-                note = f"model outputs cast to output_dtype {out}" if out != row.compute_dtype else None
-                return with_note(row, note, output_dtype=out)
-
-            built = build_plan(layers(model), resolved, framework="torch", adjust=model_output)
-            return Plan(built.rows, built.policy, "torch", built.unmatched_rules,
-                        tuple(notes) + ("a TorchScript module: rows as requested (autocast's per-op behaviour "
-                                        "is not inspected)",))
-        return fp8.mark_rows(_realise(model, resolved, device_type, notes=notes).plan, device_type)
-    if isinstance(model, torch.jit.ScriptModule) or _installed(model) is not None:
-        raise ModelNotSupportedError("plan(model, policy, *example_inputs) traces an eager, un-applied model; "
-                                     "for an applied one call amp.trace(*example_inputs)")
-    twin = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", AmpBridgeWarning)
-        _check_model(twin)
-        amp = TorchAmp(twin, policy, _device_type_of(twin, device_type), notes=env_notes)
-    # the unmatched-rule warnings belong to the caller, once
-    _realise(model, amp.active_policy, amp.device_type)
-    return amp.trace(*example_inputs, **example_kwargs)

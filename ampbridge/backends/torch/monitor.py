@@ -160,7 +160,8 @@ class Monitor:
         (['0', '1'], [0], ['0', '1'])
     """
 
-    def __init__(self, amp: Any, path: str | Path, every: int = 1, *, attribution: bool = True):
+    def __init__(self, path: str | Path, model: Any, *, every: int = 1, attribution: bool = True):
+        amp = model  # the TorchAmp of ``apply``: its scaler feeds the monitor
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be an integer >= 1 (statistics on every N-th step); received {every!r}")
         self.path = Path(path)

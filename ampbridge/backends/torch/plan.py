@@ -1,7 +1,8 @@
 """The Plan: the core's rows, corrected by what torch autocast really does with each module on
 the device, and the specs that make the rows true.
 
-Holds ``_behaviour``, ``_bypassed``, ``_author_layers``, ``_Realisation``, ``_realise`` and ``_natural``.
+Holds ``plan`` (the contract's verb: static, traced by ``trace`` when example inputs are given),
+``_Realisation`` and ``_realise``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +18,12 @@ from torch import nn
 
 from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, join_notes, stream_notes, with_note
 from ...core.policy import Policy
+from ..common import environment, room_above
 from ...errors import AmpBridgeError, UnsupportedOptionError
-from .environment import _LOW, _NAMES, DTYPES, cpu_lstm_runs, cpu_lstm_takes_float32_inputs
+from .environment import (_LOW, _NAMES, DTYPES, _device_type_of, _resolve_for_device, cpu_lstm_runs,
+                          cpu_lstm_takes_float32_inputs)
 from .forward import _Spec
+from . import fp8
 from .layers import _class_name, _entries, _Kept, _kept_in_float32, layers
 
 # --- what autocast does with each module, per device ---------------------------------------------
@@ -153,7 +158,147 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         if stream_of[row.path]:
             widened[_code_caller(row.path, modules) or ""].add(row.output_dtype)
 
-    # 1. storage: each parameter in the dtype its module's row asks for (the widest, if shared)
+    walk = _Walk(policy, device_type, raw, modules, _storage(raw, modules), bypassed, stream_of, widened,
+                 kept, _low_below(raw))
+    final = [_realise_row(walk, row) for row in raw.rows]
+    input_following, specs, storage = walk.input_following, walk.specs, walk.storage
+    final = _sequential_outputs(final, modules, rules, input_following)
+    plan_notes = _plan_notes(policy, list(notes) + kept_notes, input_following)
+    out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
+    return _Realisation(out, policy, specs, storage, frozenset(input_following),
+                        frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
+
+
+@dataclass
+class _Walk:
+    """What the walk over the Plan's rows reads (the model's modules, the raw Plan, the facts found
+    before it) and what it collects (each module's spec, each region's root, the rows that follow
+    their input's dtype)."""
+
+    policy: Policy
+    device_type: str
+    raw: Plan
+    modules: Mapping[str, nn.Module]
+    storage: Mapping[int, tuple[nn.Parameter, torch.dtype]]
+    bypassed: Mapping[str, str]
+    stream_of: Mapping[str, str | None]
+    widened: Mapping[str, set[str]]
+    kept: Mapping[str, _Kept]
+    low_below: set[str]
+    specs: dict[str, _Spec] = field(default_factory=dict)
+    region_root: dict[str, str] = field(default_factory=dict)
+    input_following: set[str] = field(default_factory=set)
+
+
+def _low_below(raw: Plan) -> set[str]:
+    """Every path with a row at or below it that computes or emits in a lower precision.
+
+    Regions: a module whose compute dtype differs from its parent's region runs its own. Without
+    autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule sits inside
+    one, the region's leaves get their floating inputs cast to float32.
+    """
+    low_below: set[str] = set()
+    for row in raw.rows:
+        if row.output_dtype != "float32" or row.compute_dtype != "float32":
+            parts = row.path.split(".")
+            low_below.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    return low_below
+
+
+def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
+    """One row as torch runs it; the module's spec (how it is run) goes into ``walk.specs``."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    policy, device_type, raw, modules = walk.policy, walk.device_type, walk.raw, walk.modules
+    storage, bypassed, stream_of, widened, kept = walk.storage, walk.bypassed, walk.stream_of, walk.widened, walk.kept
+    specs, region_root, input_following = walk.specs, walk.region_root, walk.input_following
+    low_below, rules = walk.low_below, dict(policy.rules)
+    module = modules[row.path]
+    behaviour = _behaviour(module, device_type)
+    path = row.path
+    stream = stream_of[path]
+    if path in bypassed:
+        parent = raw[bypassed[path]]
+        if row.compute_dtype != parent.compute_dtype:
+            raise UnsupportedOptionError(
+                f"{row.rule} ({row.pattern}) sets {path!r} to compute in {row.compute_dtype}, but "
+                f"{_class_name(modules[bypassed[path]])} {bypassed[path]!r} uses its parameters in its own "
+                f"forward (it never calls {path!r}); match {bypassed[path]!r} instead")
+        return with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
+                              f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype)
+    is_root = path == ""  # its region, input and output casts are the root spec (below)
+    parent_path = path.rsplit(".", 1)[0] if "." in path else ""
+    enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
+    compute = row.compute_dtype
+    own_float = [p for p in module.parameters(recurse=False)
+                 if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
+    own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
+    own_low = any(d in _LOW for d in own_stored)
+    region_change = compute != enclosing and not is_root
+    region_root[path] = path if region_change else region_root.get(parent_path, "")
+    mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
+                     and next(module.children(), None) is None and behaviour != "weights")
+    present_as = None  # own parameters presented in the compute dtype for the call
+    if own_low and any(d != DTYPES[compute] for d in own_stored) and (
+            compute == "float32" or behaviour not in ("cast", "float32")):
+        present_as = DTYPES[compute]
+    cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
+    if is_root:  # the caller's region is the policy's: a rule on the root changes it
+        cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
+    rule = rules.get(row.rule)
+    explicit_output = rule is not None and rule.output_dtype is not None
+    natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
+                                                   own_stored)
+    # cpu bilinear cannot mix dtypes and autocast leaves it alone: it gets its input's dtype
+    follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
+                     and present_as is None and compute != "float32")
+    wrap = region_change or cast_inputs or present_as is not None or follow_params or (
+        explicit_output and row.output_dtype != natural_out)
+    if is_root:
+        wrap = False
+        specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
+                          DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
+    changes: dict[str, Any] = {}
+    notes_here = [n for n in (stream and stream + _TORCH_STREAM.format(caller=_code_caller(path, modules) or "the model"),
+                              note) if n]
+    if path in widened and not is_root:  # its own code promotes the stream; its output is not cast
+        wider = _widest(widened[path] | {compute})
+        notes_here.append(_CALLER_NOTE.format(dtype=wider))
+        natural_out, follows = wider, True
+    if row.rule == BY_MODEL and path in kept:
+        notes_here.insert(0, kept[path].declared)
+    stored = {_NAMES[d] for d in own_stored}
+    if len(stored) == 1 and stored != {row.param_dtype}:
+        stored_name = stored.pop()
+        changes["param_dtype"] = stored_name
+        if isinstance(module, _NormBase) and module.track_running_stats:
+            notes_here.append(f"parameters kept in {stored_name}: torch's batch_norm needs them in its float32 "
+                              f"running statistics' dtype")
+        else:
+            notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
+    if wrap:
+        # the output is cast only where a rule asks for an output dtype: a pinned module emits what
+        # it computes, as under autocast(enabled=False) by hand
+        specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
+                            DTYPES[compute] if cast_inputs else None,
+                            DTYPES[row.output_dtype] if explicit_output and not follows else None, present_as,
+                            params_follow_input=follow_params)
+    if natural != compute and behaviour != "region":
+        changes["compute_dtype"] = natural
+    if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
+        changes["output_dtype"] = natural_out
+    if follows:
+        input_following.add(path)
+    if is_root:  # the model's outputs: the policy's output_dtype, whatever a rule says
+        changes["output_dtype"] = policy.output_dtype
+        if policy.output_dtype != changes.get("compute_dtype", compute):
+            notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
+    return with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row
+
+
+
+def _storage(raw: Plan, modules: Mapping[str, nn.Module]) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
+    """Each parameter in the dtype its module's row asks for (the widest, if shared), by ``id``."""
     requests: dict[int, list[tuple[str, str]]] = defaultdict(list)
     params: dict[int, nn.Parameter] = {}
     from torch.nn.modules.batchnorm import _NormBase
@@ -179,114 +324,11 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
                                          f"param_dtype={chosen!r}")
                 continue
             storage[pid] = (p, DTYPES[chosen])
+    return storage
 
-    # 2. regions: a module whose compute dtype differs from its parent's region runs its own.
-    # Without autocast (a float32 region) torch cannot mix dtypes, so where a lower-precision rule
-    # sits inside one, the region's leaves get their floating inputs cast to float32.
-    low_below: set[str] = set()
-    for row in raw.rows:
-        if row.output_dtype != "float32" or row.compute_dtype != "float32":
-            parts = row.path.split(".")
-            low_below.update(".".join(parts[:i]) for i in range(len(parts) + 1))
-    region_root: dict[str, str] = {}
-    specs: dict[str, _Spec] = {}
-    wrapped_output: dict[str, str] = {}
-    final: list[PlanRow] = []
-    input_following: set[str] = set()
-    for row in raw.rows:
-        module = modules[row.path]
-        behaviour = _behaviour(module, device_type)
-        path = row.path
-        stream = stream_of[path]
-        if path in bypassed:
-            parent = raw[bypassed[path]]
-            if row.compute_dtype != parent.compute_dtype:
-                raise UnsupportedOptionError(
-                    f"{row.rule} ({row.pattern}) sets {path!r} to compute in {row.compute_dtype}, but "
-                    f"{_class_name(modules[bypassed[path]])} {bypassed[path]!r} uses its parameters in its own "
-                    f"forward (it never calls {path!r}); match {bypassed[path]!r} instead")
-            final.append(with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
-                                        f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype))
-            continue
-        is_root = path == ""  # its region, input and output casts are the root spec (below)
-        parent_path = path.rsplit(".", 1)[0] if "." in path else ""
-        enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
-        compute = row.compute_dtype
-        own_float = [p for p in module.parameters(recurse=False)
-                     if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
-        own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
-        own_low = any(d in _LOW for d in own_stored)
-        region_change = compute != enclosing and not is_root
-        region_root[path] = path if region_change else region_root.get(parent_path, "")
-        mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
-                         and next(module.children(), None) is None and behaviour != "weights")
-        present_as = None  # own parameters presented in the compute dtype for the call
-        if own_low and any(d != DTYPES[compute] for d in own_stored) and (
-                compute == "float32" or behaviour not in ("cast", "float32")):
-            present_as = DTYPES[compute]
-        cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
-        if is_root:  # the caller's region is the policy's: a rule on the root changes it
-            cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
-        rule = rules.get(row.rule)
-        explicit_output = rule is not None and rule.output_dtype is not None
-        natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
-                                                       own_stored)
-        # cpu bilinear cannot mix dtypes and autocast leaves it alone: it gets its input's dtype
-        follow_params = (device_type == "cpu" and isinstance(module, nn.Bilinear) and not cast_inputs
-                         and present_as is None and compute != "float32")
-        wrap = region_change or cast_inputs or present_as is not None or follow_params or (
-            explicit_output and row.output_dtype != natural_out)
-        if is_root:
-            wrap = False
-            specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
-                              DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
-        changes: dict[str, Any] = {}
-        notes_here = [n for n in (stream and stream + _TORCH_STREAM.format(caller=_code_caller(path, modules) or "the model"),
-                                  note) if n]
-        if path in widened and not is_root:  # its own code promotes the stream; its output is not cast
-            wider = _widest(widened[path] | {compute})
-            notes_here.append(_CALLER_NOTE.format(dtype=wider))
-            natural_out, follows = wider, True
-        if row.rule == BY_MODEL and path in kept:
-            notes_here.insert(0, kept[path].declared)
-        stored = {_NAMES[d] for d in own_stored}
-        if len(stored) == 1 and stored != {row.param_dtype}:
-            stored_name = stored.pop()
-            changes["param_dtype"] = stored_name
-            if isinstance(module, _NormBase) and module.track_running_stats:
-                notes_here.append(f"parameters kept in {stored_name}: torch's batch_norm needs them in its float32 "
-                                  f"running statistics' dtype")
-            else:
-                notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
-        if wrap:
-            # the output is cast only where a rule asks for an output dtype: a pinned module emits what
-            # it computes, as under autocast(enabled=False) by hand
-            specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
-                                DTYPES[compute] if cast_inputs else None,
-                                DTYPES[row.output_dtype] if explicit_output and not follows else None, present_as,
-                                params_follow_input=follow_params)
-            if natural != compute and behaviour != "region":
-                changes["compute_dtype"] = natural
-            if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
-                changes["output_dtype"] = natural_out
-            if follows:
-                input_following.add(path)
-            wrapped_output[path] = row.output_dtype
-        else:
-            if natural != compute and behaviour != "region":
-                changes["compute_dtype"] = natural
-            if natural_out != row.output_dtype and not explicit_output and (behaviour != "region" or follows):
-                changes["output_dtype"] = natural_out
-            if follows:
-                input_following.add(path)
-        if is_root:  # the model's outputs: the policy's output_dtype, whatever a rule says
-            changes["output_dtype"] = policy.output_dtype
-            if policy.output_dtype != changes.get("compute_dtype", compute):
-                notes_here.append(f"model outputs cast to output_dtype {policy.output_dtype}")
-        final.append(with_note(row, "; ".join(notes_here) or None, **changes) if notes_here or changes else row)
 
-    final = _sequential_outputs(final, modules, rules, input_following)
-    plan_notes = list(notes) + kept_notes
+def _plan_notes(policy: Policy, plan_notes: list[str], input_following: set[str]) -> list[str]:
+    """The Plan's own notes: the matmul precision, the rows that follow the data flow."""
     if policy.matmul_precision != "highest":
         plan_notes.append(f"matmul_precision {policy.matmul_precision}: torch.set_float32_matmul_precision"
                           f"({policy.matmul_precision!r}) inside amp.model, amp.autocast() and amp.step(), "
@@ -296,9 +338,7 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
         plan_notes.append(f"{len(input_following)} row(s) follow the data flow (their input's dtype where autocast "
                           "leaves the ops alone, a custom module's own ops); "
                           "ampbridge.torch.plan(model, policy, *example_inputs) traces the exact dtypes")
-    out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
-    return _Realisation(out, policy, specs, storage, frozenset(input_following),
-                        frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
+    return plan_notes
 
 
 def _sequential_outputs(rows: list[PlanRow], modules: Mapping[str, nn.Module], rules: Mapping[str, Any],
@@ -374,3 +414,42 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
         return compute, compute, (f"cpu LSTM under {compute} autocast needs {compute} inputs on this CPU "
                                   f"(oneDNN); pin it or feed {compute}"), False
     return compute, compute, "", False
+
+
+# --- plan (what apply would run; traced with example inputs) --------------------------------
+
+def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, warn: bool = True,
+         device_type: str | None = None, **example_kwargs: Any) -> Plan:
+    """The Plan of a model under a policy (what ``apply`` would run).
+
+    With example inputs it is :func:`~ampbridge.backends.torch.trace.trace`'s: one forward runs (on
+    a copy, applied, without gradients) and every row shows the dtype its module really computed in.
+
+    Example:
+        >>> import torch
+        >>> p = plan(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1)), "mixed_bfloat16")
+        >>> p["1"].note
+        "follows its input's dtype: cpu autocast leaves Softmax alone (bfloat16 when fed by a bfloat16 layer)"
+    """
+    if example_inputs or example_kwargs:
+        trace = room_above(__package__, "trace").trace
+        return trace(model, policy, *example_inputs, warn=warn, device_type=device_type, **example_kwargs)
+    policy, env_notes = environment(policy, "torch", warn=False)  # what apply would run
+    script = isinstance(model, torch.jit.ScriptModule)
+    device_type = (device_type or "cpu") if script else _device_type_of(model, device_type)
+    resolved, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
+    notes = list(env_notes) + notes
+    if not script:
+        return fp8.mark_rows(_realise(model, resolved, device_type, warn=warn, notes=notes).plan, device_type)
+
+    def model_output(row: PlanRow) -> PlanRow:
+        out = resolved.output_dtype
+        if row.path or row.output_dtype == out:
+            return row
+        note = f"model outputs cast to output_dtype {out}" if out != row.compute_dtype else None
+        return with_note(row, note, output_dtype=out)
+
+    built = build_plan(layers(model), resolved, framework="torch", adjust=model_output, warn=warn)
+    return Plan(built.rows, built.policy, "torch", built.unmatched_rules,
+                tuple(notes) + ("a TorchScript module: rows as requested (autocast's per-op behaviour "
+                                "is not inspected)",))

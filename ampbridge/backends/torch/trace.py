@@ -1,19 +1,28 @@
 """What one forward really computed in: the dtypes observed per module (a dispatch mode and
-module hooks) written onto the Plan's rows (``amp.trace``, ``plan(model, policy, *inputs)``).
+module hooks) written onto the Plan's rows (``trace(model, policy, *inputs)``, ``amp.trace``).
 
-Holds ``_trace``.
+Holds ``trace`` and ``_trace``.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...core.plan import NO_OP, Plan, idle_rules, join_notes, not_run, with_note
+from ...core.policy import Policy
+from ...errors import AmpBridgeWarning
+from ..common import environment, room_above
+from .environment import _device_type_of
+from .forward import _installed
+from .plan import _realise
 from .environment import _NAMES, DTYPES
 
 _COMPUTE_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_trilinear", "native_layer_norm",
@@ -25,6 +34,36 @@ _COMPUTE_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_trilinear", "n
                 "_grouped_mm", "grouped_mm", "_native_multi_head_attention")
 _IGNORED_OPS = ("_to_copy", "copy_", "detach", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
                 "arange", "lift_fresh")
+
+
+def trace(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, warn: bool = True,
+          device_type: str | None = None, **example_kwargs: Any) -> Plan:
+    """The Plan with each row's dtypes as one forward on the example inputs ran them (on an applied
+    copy, without gradients; the model itself is untouched).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1))
+        >>> trace(m, "mixed_bfloat16", torch.ones(1, 2))["1"].compute_dtype
+        'bfloat16'
+    """
+    apply = room_above(__package__, "apply")  # its TorchAmp runs the forward
+
+    if not example_inputs and not example_kwargs:
+        raise TypeError("trace(model, policy, *example_inputs) needs example inputs; plan(model, policy) is "
+                        "the static Plan")
+    if isinstance(model, torch.jit.ScriptModule) or _installed(model) is not None:
+        raise apply.ModelNotSupportedError("trace(model, policy, *example_inputs) traces an eager, un-applied model; "
+                                     "for an applied one call amp.trace(*example_inputs)")
+    policy, env_notes = environment(policy, "torch", warn=False)  # what apply would run
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AmpBridgeWarning)
+        apply._check_model(twin)
+        amp = apply.TorchAmp(twin, policy, _device_type_of(twin, device_type), notes=env_notes)
+    # the unmatched-rule warnings belong to the caller, once
+    _realise(model, amp.active_policy, amp.device_type, warn=warn)
+    return _trace(amp, example_inputs, example_kwargs)
 
 
 def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
