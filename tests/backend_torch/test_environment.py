@@ -93,7 +93,7 @@ def test_auto_follows_the_device_and_the_plan_says_why(monkeypatch, probe, devic
     assert amp.active_policy.compute_dtype == dtype and amp.scaler.config.mode == mode
     assert f"compute_dtype auto -> {dtype}: {auto_dtype(device)[1]}" in amp.plan.notes
     ran, _ = computed(model, probe)
-    assert ran["0"] == {abt.DTYPES[dtype]} and ran["1"] == {torch.float32}
+    assert ran["0"] == {abt.native_dtype(dtype)} and ran["1"] == {torch.float32}
 
 
 def test_auto_detects_this_cpu_and_a_faked_cuda_through_torch(monkeypatch):

@@ -77,7 +77,12 @@ VERBS = list(ROWS)
 
 def test_every_backend_package_has_a_column_and_every_verb_a_row():
     assert sorted(BACKENDS) == backend_packages()
-    assert VERBS == ["plan", "trace", "apply", "optimizer", "Monitor", "layers", "owns", "register_kind"]
+    assert VERBS == ["plan", "trace", "apply", "optimizer", "Monitor", "layers", "owns", "register_kind", "tune"]
+
+
+#: verbs that take a short training run's inputs as the framework's own loop does (torch batches and a
+#: loss function, Keras fit's data and loss, Flax variables, batches and a loss function)
+TRAINING_INPUTS_POSITIONAL = {"tune"}
 
 
 @pytest.mark.parametrize("verb", VERBS)
@@ -97,6 +102,8 @@ def test_each_cell_extends_the_shared_signature(verb):
         for name, kind, _ in params:
             if any(name == s[0] for s in shared):
                 continue
+            if verb in TRAINING_INPUTS_POSITIONAL and kind == "POSITIONAL_OR_KEYWORD":
+                continue  # what the framework's own training call takes, in its order (docs/backends.md)
             assert kind in ("KEYWORD_ONLY", "VAR_KEYWORD") or (kind, name) == ("VAR_POSITIONAL", "example_inputs"), (
                 f"{backend}.{verb}: the extra {name} must be keyword-only")
 

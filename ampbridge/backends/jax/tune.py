@@ -56,10 +56,10 @@ def _run(module: Any, policy: Policy, variables: Mapping[str, Any], cycle: StepC
     return read_log(path)
 
 
-def tune(module: Any, policy: Policy | str | Path, variables: Mapping[str, Any], batches: Iterable[Any],
+def tune(model: Any, policy: Policy | str | Path, variables: Mapping[str, Any], batches: Iterable[Any],
          loss_fn: Callable[[Any, Any], Any], *, steps: int = 8, dtypes: Iterable[str] | None = None,
          optimizer: Callable[[], Any] | None = None, progress: Callable[[str], None] | None = None) -> TuneResult:
-    """The pins ``policy`` needs on a linen ``module`` with ``variables``, from ``steps`` optax steps.
+    """The pins ``policy`` needs on a linen module ``model`` with ``variables``, from ``steps`` optax steps.
 
     ``batches``: ``(inputs, target)`` pairs (``inputs`` an array, or a tuple passed positionally);
     ``loss_fn(outputs, target)`` the scalar loss; ``optimizer()`` each run's optax transformation
@@ -81,6 +81,6 @@ def tune(module: Any, policy: Policy | str | Path, variables: Mapping[str, Any],
         count = iter(range(1 << 30))
 
         def run(p: Policy) -> RunLog:
-            return _run(module, p, variables, cycle, loss_fn, make_tx, Path(tmp) / f"run{next(count)}.jsonl")
+            return _run(model, p, variables, cycle, loss_fn, make_tx, Path(tmp) / f"run{next(count)}.jsonl")
 
         return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="jax", steps=steps, progress=progress)

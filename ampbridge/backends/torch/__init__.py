@@ -19,7 +19,7 @@ import_framework("torch", "torch")
 # here by the functions of those names: reach them as ``from ampbridge.backends.torch.plan import ...``)
 from .apply import ModelNotSupportedError, TorchAmp, apply  # noqa: E402
 from .distributed import FSDPPrecision, deepspeed_initialize, fsdp_policy, wrap_ddp, wrap_fsdp  # noqa: E402
-from .environment import DTYPES, cpu_lstm_takes_float32_inputs, native_dtype  # noqa: E402
+from .environment import cpu_lstm_takes_float32_inputs, native_dtype  # noqa: E402
 from .layers import kind_and_source, kind_of, layers, owns, register_kind  # noqa: E402
 from .loss_scale import GradScaler, StepResult  # noqa: E402
 from .monitor import Monitor  # noqa: E402
@@ -29,7 +29,6 @@ from .trainers import HFTrainerMixin, fabric_precision, hf_trainer, lightning_pr
 from .tune import tune  # noqa: E402
 
 __all__ = [
-    "DTYPES",
     "FSDPPrecision",
     "GradScaler",
     "HFTrainerMixin",
