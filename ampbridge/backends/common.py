@@ -28,7 +28,8 @@ from ..diagnostics.hardware import Device, resolve_auto
 from ..errors import BackendUnavailableError, LossyPolicyWarning, warn_once
 
 #: the extra that installs each backend's framework
-EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "keras"}
+EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "keras",
+          "tf_keras": "tf-keras"}
 
 
 def as_policy(policy: Policy | str | os.PathLike[str]) -> Policy:

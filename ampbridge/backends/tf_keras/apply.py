@@ -1,0 +1,125 @@
+"""Realising the Plan on a tf_keras model: every layer rebuilt from its config with its row's
+``tf_keras.mixed_precision.Policy``, the weights copied over, and the model's outputs cast to
+``output_dtype`` by Keras 2's own idiom (a float32 ``linear`` Activation).
+
+Keras 2 fixes a layer's dtype policy when the layer is made (its variables are ``AutoCastVariable``
+only when created under a mixed policy), so a built model cannot change dtypes in place: the public
+way is ``tf_keras.models.clone_model`` with a ``clone_function``, which is what :func:`apply` uses.
+
+Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``OUTPUT_CAST``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tf_keras
+
+from ...core.plan import PlanRow, build_plan
+from ...core.policy import Policy
+from ...errors import UnsupportedOptionError
+from .environment import FRAMEWORK, _phase0, resolve_policy, set_matmul_precision
+from .layers import _AUTHOR, _describe, _graph, layers
+from .plan import dtype_policy
+
+#: the name of the layer :func:`apply` appends to cast the model's outputs to ``output_dtype``
+OUTPUT_CAST = "ampbridge_output_cast"
+
+
+def _rebuild(model: Any, rows: dict[str, PlanRow], prefix: str = "") -> Any:
+    """A clone of a Functional or Sequential ``model`` whose every layer has its row's dtype policy
+    (nested graph models are rebuilt the same way, one level further down the paths)."""
+    paths = {id(layer): path for path, layer in layers(model)}
+
+    def clone(layer: Any) -> Any:
+        path = paths[id(layer)]
+        full = f"{prefix}.{path}" if prefix else path
+        if _graph(layer):
+            new = _rebuild(layer, rows, full)
+        else:
+            row = rows[full]
+            config = layer.get_config()
+            config["dtype"] = dtype_policy(row.compute_dtype, row.param_dtype, where=full).name
+            new = type(layer).from_config(config)
+        object.__setattr__(new, _AUTHOR, layer.__dict__.get(_AUTHOR))  # the author's, not ampbridge's
+        return new
+
+    row = rows[prefix]
+    outer = tf_keras.mixed_precision.Policy(dtype_policy(row.compute_dtype, row.param_dtype, where=prefix).name)
+    # the container's own policy: clone_model makes it from the model's config (its layers are ours)
+    previous = tf_keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy(outer)
+    try:
+        new = tf_keras.models.clone_model(model, clone_function=clone)
+    finally:
+        tf_keras.mixed_precision.set_global_policy(previous)
+    return new
+
+
+def _copy_weights(source: Any, target: Any) -> None:
+    """Each layer's weights into the rebuilt layer at the same path, cast to its variables' dtype."""
+    by_path = dict(layers(target))
+    for path, layer in layers(source):
+        own = layer._trainable_weights + layer._non_trainable_weights
+        if not own or _graph(layer):
+            continue
+        twin = by_path[path]
+        for mine, theirs in zip(twin._trainable_weights + twin._non_trainable_weights, own, strict=True):
+            mine.assign(tf_keras.backend.cast(theirs, mine.dtype))
+
+
+def _cast_outputs(model: Any, output_dtype: str) -> Any:
+    """``model`` with float outputs cast to ``output_dtype`` by a ``linear`` Activation in that dtype
+    (the Keras 2 mixed-precision guide's idiom), or ``model`` itself when they already are."""
+    outputs = list(model.outputs)
+    wrong = [o.dtype.is_floating and o.dtype.name != output_dtype for o in outputs]
+    if not any(wrong):
+        return model
+    cast = tf_keras.layers.Activation("linear", dtype=output_dtype, name=OUTPUT_CAST)
+    if isinstance(model, tf_keras.Sequential) and len(outputs) == 1:
+        model.add(cast)
+        return model
+    new = [cast(o) if w else o for o, w in zip(outputs, wrong)]
+    return tf_keras.Model(model.inputs, new if len(new) > 1 else new[0], name=model.name)
+
+
+def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
+    """The model rebuilt to run its Plan: each layer with its row's ``tf_keras.mixed_precision.Policy``
+    (``keep_float32`` and pins give ``"float32"``), the same weights, outputs in ``output_dtype``.
+
+    Returns a new model (Keras 2 cannot change a built layer's dtype): write
+    ``model = ampbridge.tf_keras.apply(model, policy)``, then compile. Refused by name: a subclassed
+    model (no graph to rebuild: build it under ``tf_keras.mixed_precision.set_global_policy`` with
+    ``dtype=`` per layer), a compiled model (its optimizer holds the old variables), a parameter
+    dtype pair Keras 2 has no policy for, and a per-layer ``output_dtype``.
+
+    Example:
+        >>> import ampbridge
+        >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
+        >>> m = apply(m, ampbridge.preset("mixed_float16"))
+        >>> m.get_layer("head").dtype_policy.name, m(tf_keras.backend.ones((1, 2))).dtype.name
+        ('mixed_float16', 'float32')
+    """
+    if not _graph(model):
+        raise UnsupportedOptionError(
+            f"ampbridge.tf_keras.apply rebuilds a Functional or Sequential model from its config; received a "
+            f"{type(model).__name__} (subclassed models and lone layers fix their dtype when built: pass dtype= "
+            "to each layer, or use tf_keras.mixed_precision.set_global_policy before building)")
+    if getattr(model, "optimizer", None) is not None:
+        raise UnsupportedOptionError("ampbridge.tf_keras.apply on a compiled model: its optimizer holds the "
+                                     "old variables; apply the policy first, then compile the model it returns")
+    policy, _ = resolve_policy(policy, warn=warn)
+    active = _phase0(policy)
+    set_matmul_precision(active.matmul_precision)
+    described, _ = _describe(model)
+    rows = {row.path: row for row in build_plan(described, active, framework=FRAMEWORK, warn=warn)}
+    for row in rows.values():
+        if row.path and row.output_dtype != row.compute_dtype:
+            raise UnsupportedOptionError(
+                f"output_dtype={row.output_dtype} for layer {row.path!r} (compute {row.compute_dtype}): Keras 2 "
+                "layers return their compute dtype; accepted: output_dtype on the model only")
+    rebuilt = _rebuild(model, rows)
+    _copy_weights(model, rebuilt)
+    rebuilt = _cast_outputs(rebuilt, policy.output_dtype)
+    object.__setattr__(rebuilt, "_ampbridge_policy", policy)
+    return rebuilt

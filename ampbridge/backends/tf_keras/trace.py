@@ -1,0 +1,45 @@
+"""What one forward really ran in: ``plan(model, policy, *inputs)`` applies the policy to a rebuilt
+copy of the model (:func:`apply` never changes the model it is given), reads every layer's output
+dtype in one forward, and writes them onto the static Plan's rows.
+
+Holds ``plan`` (the package's public one: the static Plan of the ``plan`` room, traced when inputs
+are given).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+import tf_keras
+
+from ...core.plan import Plan, traced_plan, traced_row
+from ...core.policy import Policy
+from .apply import apply
+from .layers import _graph, layers
+from .plan import plan as _static_plan
+
+
+def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> Plan:
+    """The Plan of a tf_keras model under a policy; with example inputs, the applied copy runs once
+    and each layer's output dtype is the one observed (the graph's tensors: a layer called once).
+
+    Example:
+        >>> import ampbridge
+        >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
+        >>> plan(m, "mixed_bfloat16", tf_keras.backend.ones((1, 2)))["head"].output_dtype
+        'bfloat16'
+    """
+    static = _static_plan(model, policy, warn=warn)
+    if not inputs:
+        return static
+    twin = apply(model, static.policy, warn=False)
+    by_path = dict(layers(twin))
+    probed = [p for p, layer in by_path.items()
+              if p and not _graph(layer) and len(getattr(layer, "_inbound_nodes", ())) == 1]
+    taps = tf_keras.Model(twin.inputs, [by_path[p].output for p in probed] + [twin.output])
+    seen = taps(*inputs)
+    observed = {p: {t.dtype.name} for p, t in zip(probed, seen)}
+    observed[""] = {t.dtype.name for t in tf.nest.flatten(seen[-1])}
+    rows = [traced_row(row, None, observed[row.path]) if row.path in observed else row for row in static.rows]
+    return traced_plan(static, rows)
