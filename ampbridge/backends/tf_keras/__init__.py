@@ -28,11 +28,12 @@ from .apply import OUTPUT_CAST, apply  # noqa: E402
 from .environment import device, resolve_policy, set_matmul_precision  # noqa: E402
 from .layers import author_dtypes, kind_and_source, kind_of, layers, owns, register_kind  # noqa: E402
 from .loss_scale import keras2_expressible, optimizer, state_of  # noqa: E402
-from .plan import dtype_policy  # noqa: E402
+from .plan import STREAM_REFUSED, dtype_policy  # noqa: E402
 from .trace import plan  # noqa: E402  (static Plan, traced when example inputs are given)
 
 __all__ = [
     "OUTPUT_CAST",
+    "STREAM_REFUSED",
     "apply",
     "author_dtypes",
     "device",

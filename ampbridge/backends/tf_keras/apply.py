@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import tensorflow as tf
 import tf_keras
 
 from ...core.plan import PlanRow, build_plan
@@ -83,15 +84,36 @@ def _cast_outputs(model: Any, output_dtype: str) -> Any:
     return tf_keras.Model(model.inputs, new if len(new) > 1 else new[0], name=model.name)
 
 
+def _set_in_place(model: Any, rows: dict[str, PlanRow], by_path: dict[str, Any], output_dtype: str) -> Any:
+    """An unbuilt model: each layer's policy set before its variables exist (as if made with ``dtype=``),
+    and the model's float outputs cast to ``output_dtype`` by a wrapper on its ``call``."""
+    for path, layer in by_path.items():
+        row = rows[path]
+        # private: Layer._set_dtype_policy (tf-keras 2.21), what the constructor's dtype= calls
+        layer._set_dtype_policy(dtype_policy(row.compute_dtype, row.param_dtype, where=path))
+    inner = type(model).call.__get__(model)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        return tf.nest.map_structure(
+            lambda t: tf.cast(t, output_dtype) if getattr(t, "dtype", None) is not None and t.dtype.is_floating
+            and t.dtype.name != output_dtype else t, out)
+
+    if rows[""].compute_dtype != output_dtype:
+        object.__setattr__(model, "call", call)
+    return model
+
+
 def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
-    """The model rebuilt to run its Plan: each layer with its row's ``tf_keras.mixed_precision.Policy``
+    """The model made to run its Plan: each layer with its row's ``tf_keras.mixed_precision.Policy``
     (``keep_float32`` and pins give ``"float32"``), the same weights, outputs in ``output_dtype``.
 
-    Returns a new model (Keras 2 cannot change a built layer's dtype): write
-    ``model = ampbridge.tf_keras.apply(model, policy)``, then compile. Refused by name: a subclassed
-    model (no graph to rebuild: build it under ``tf_keras.mixed_precision.set_global_policy`` with
-    ``dtype=`` per layer), a compiled model (its optimizer holds the old variables), a parameter
-    dtype pair Keras 2 has no policy for, and a per-layer ``output_dtype``.
+    Keras 2 fixes a layer's dtype when its variables are made, so a built Functional or Sequential
+    model is rebuilt (``clone_model``, weights copied) and the new model is returned: write
+    ``model = ampbridge.tf_keras.apply(model, policy)``, then compile. A model not built yet (a
+    subclassed one before its first call) is changed in place and returned. Refused by name: a built
+    subclassed model, a compiled model (its optimizer holds the old variables), a parameter dtype
+    pair Keras 2 has no policy for, and a per-layer ``output_dtype``.
 
     Example:
         >>> import ampbridge
@@ -100,26 +122,30 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         >>> m.get_layer("head").dtype_policy.name, m(tf_keras.backend.ones((1, 2))).dtype.name
         ('mixed_float16', 'float32')
     """
-    if not _graph(model):
+    built = any(layer.built for _, layer in layers(model))
+    if built and not _graph(model):
         raise UnsupportedOptionError(
-            f"ampbridge.tf_keras.apply rebuilds a Functional or Sequential model from its config; received a "
-            f"{type(model).__name__} (subclassed models and lone layers fix their dtype when built: pass dtype= "
-            "to each layer, or use tf_keras.mixed_precision.set_global_policy before building)")
+            f"ampbridge.tf_keras.apply on a built {type(model).__name__}: Keras 2 fixes a layer's dtype when its "
+            "variables are made, and only a Functional or Sequential model can be rebuilt from its config; apply "
+            "the policy before the model's first call (or pass dtype= to each layer)")
     if getattr(model, "optimizer", None) is not None:
         raise UnsupportedOptionError("ampbridge.tf_keras.apply on a compiled model: its optimizer holds the "
                                      "old variables; apply the policy first, then compile the model it returns")
     policy, _ = resolve_policy(policy, warn=warn)
     active = _phase0(policy)
     set_matmul_precision(active.matmul_precision)
-    described, _ = _describe(model)
+    described, by_path = _describe(model)
     rows = {row.path: row for row in build_plan(described, active, framework=FRAMEWORK, warn=warn)}
     for row in rows.values():
         if row.path and row.output_dtype != row.compute_dtype:
             raise UnsupportedOptionError(
                 f"output_dtype={row.output_dtype} for layer {row.path!r} (compute {row.compute_dtype}): Keras 2 "
                 "layers return their compute dtype; accepted: output_dtype on the model only")
-    rebuilt = _rebuild(model, rows)
-    _copy_weights(model, rebuilt)
-    rebuilt = _cast_outputs(rebuilt, policy.output_dtype)
-    object.__setattr__(rebuilt, "_ampbridge_policy", policy)
-    return rebuilt
+    if not built:
+        applied = _set_in_place(model, rows, by_path, policy.output_dtype)
+    else:
+        applied = _rebuild(model, rows)
+        _copy_weights(model, applied)
+        applied = _cast_outputs(applied, policy.output_dtype)
+    object.__setattr__(applied, "_ampbridge_policy", policy)
+    return applied

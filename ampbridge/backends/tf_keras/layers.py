@@ -19,14 +19,15 @@ from ...core.plan import Layer
 
 
 def owns(obj: Any) -> bool:
-    """Whether ``obj`` is a tf_keras layer or model. Reads the class's module name first, so an
+    """Whether ``obj`` is a tf_keras layer or model. Reads the module names of the object's classes
+    (a user's model subclasses ``tf_keras.Model`` in its own module) before anything else, so an
     object of another framework is answered without looking further.
 
     Example:
         >>> owns([1, 2])
         False
     """
-    if not type(obj).__module__.startswith("tf_keras."):
+    if not any(c.__module__.startswith("tf_keras.") for c in type(obj).__mro__):
         return False
     module = sys.modules.get("tf_keras")
     return module is not None and isinstance(obj, module.layers.Layer)

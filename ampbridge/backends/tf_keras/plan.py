@@ -36,6 +36,12 @@ def dtype_policy(compute_dtype: str, param_dtype: str, *, where: str = "") -> An
         "compute with float32 parameters (mixed_float16, mixed_bfloat16)")
 
 
+#: what a stream row's note adds on tf_keras: ampbridge turns TensorFlow's promotion on for Keras 3 only
+STREAM_REFUSED = ("not on tf_keras: there TensorFlow raises where the caller's own code mixes the two dtypes "
+                  "(x + residual), as Keras 2 does natively; a layer the caller just calls casts its inputs itself. "
+                  "Pin the caller too, or give the row output_dtype = the caller's dtype")
+
+
 def _code_caller(path: str, by_path: dict[str, Any]) -> str | None:
     """The path of the layer whose own code calls the layer at ``path``; None where a Functional or
     Sequential graph calls it (Keras 2 casts each layer's inputs to its compute dtype there)."""
@@ -46,24 +52,23 @@ def _code_caller(path: str, by_path: dict[str, Any]) -> str | None:
     return None if layer is None or _graph(layer) else parent
 
 
-_INTERNAL_FLOAT32 = ("BatchNormalization", "LayerNormalization")
-
-
 def _adjuster(policy: Policy, by_path: dict[str, Any]):
-    norms = tuple(getattr(tf_keras.layers, n) for n in _INTERNAL_FLOAT32)
     streams = stream_notes(policy, lambda path: _code_caller(path, by_path))
 
     def adjust(row: PlanRow) -> PlanRow:
         layer, notes, changes = by_path[row.path], [], {}
         stream = streams(row)
         if stream is not None:
-            notes.append(stream)
+            notes.append(f"{stream}; {STREAM_REFUSED}")
         half = row.compute_dtype in ("float16", "bfloat16")
         if row.path == "" and row.output_dtype != policy.output_dtype:
             notes.append(f"model outputs cast to output_dtype {policy.output_dtype}")
             changes["output_dtype"] = policy.output_dtype
-        if half and isinstance(layer, norms) and row.param_dtype == "float32":
-            # tf_keras's norms cast float16 inputs to float32 (or use the fused kernel, float32 inside)
+        # tf_keras's BatchNormalization always normalises 16-bit inputs in float32; its LayerNormalization
+        # only with float32 variables (fused kernel or a cast): with bfloat16 ones it computes in bfloat16,
+        # where Keras 3 upcasts (layer_normalization.py, tf-keras 2.21)
+        if half and (isinstance(layer, tf_keras.layers.BatchNormalization) or (
+                isinstance(layer, tf_keras.layers.LayerNormalization) and row.param_dtype == "float32")):
             notes.append(f"Keras normalises in float32 internally, output {row.output_dtype}")
             changes["compute_dtype"] = "float32"
         if half and isinstance(layer, tf_keras.layers.Embedding) and row.param_dtype != row.compute_dtype:

@@ -22,7 +22,8 @@ from .plan import plan as _static_plan
 
 def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> Plan:
     """The Plan of a tf_keras model under a policy; with example inputs, the applied copy runs once
-    and each layer's output dtype is the one observed (the graph's tensors: a layer called once).
+    and the output dtype of the model and of each layer of its own graph called once is the one
+    observed (nested layers keep their static rows). Needs a Functional or Sequential model.
 
     Example:
         >>> import ampbridge
@@ -35,8 +36,9 @@ def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> P
         return static
     twin = apply(model, static.policy, warn=False)
     by_path = dict(layers(twin))
+    # the root graph's own layers (a nested graph's tensors, its own output included, are its graph's)
     probed = [p for p, layer in by_path.items()
-              if p and not _graph(layer) and len(getattr(layer, "_inbound_nodes", ())) == 1]
+              if p and "." not in p and not _graph(layer) and len(getattr(layer, "_inbound_nodes", ())) == 1]
     taps = tf_keras.Model(twin.inputs, [by_path[p].output for p in probed] + [twin.output])
     seen = taps(*inputs)
     observed = {p: {t.dtype.name} for p, t in zip(probed, seen)}
