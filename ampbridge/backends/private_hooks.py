@@ -12,7 +12,7 @@ Example:
     >>> tested_range("keras")
     'keras 3.12.0 to 3.15.1'
     >>> sorted({h.framework for h in HOOKS})
-    ['jax', 'keras', 'torch']
+    ['jax', 'keras', 'tf_keras', 'torch']
 """
 
 from __future__ import annotations
