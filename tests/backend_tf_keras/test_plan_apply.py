@@ -158,3 +158,17 @@ def test_detection_and_no_tensorflow_import_when_unused():
             "assert not {'tensorflow', 'tf_keras', 'keras'} & set(sys.modules), sorted(sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-1500:]
+
+
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+    import pkgutil
+
+    import ampbridge.backends.tf_keras as package
+
+    modules = [package] + [importlib.import_module(f"{package.__name__}.{m.name}")
+                           for m in pkgutil.iter_modules(package.__path__)]
+    results = [doctest.testmod(module, optionflags=doctest.ELLIPSIS) for module in modules]
+    result = doctest.TestResults(sum(r.failed for r in results), sum(r.attempted for r in results))
+    assert result.attempted > 10 and result.failed == 0

@@ -116,7 +116,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     pair Keras 2 has no policy for, and a per-layer ``output_dtype``.
 
     Example:
-        >>> import ampbridge
+        >>> import ampbridge, tf_keras
         >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
         >>> m = apply(m, ampbridge.preset("mixed_float16"))
         >>> m.get_layer("head").dtype_policy.name, m(tf_keras.backend.ones((1, 2))).dtype.name

@@ -102,6 +102,7 @@ def layers(model: Any) -> Iterator[tuple[str, Any]]:
     the layers' names with ``.``; a shared layer is listed once, at its first path.
 
     Example:
+        >>> import tf_keras
         >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
         >>> [path for path, _ in layers(m)]
         ['', 'head']
@@ -149,6 +150,7 @@ def author_dtypes(layer: Any, model: Any) -> tuple[str, str] | None:
     built under ``mixed_float16``). A layer ampbridge rebuilt carries its original's answer.
 
     Example:
+        >>> import tf_keras
         >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, dtype="float16")])
         >>> author_dtypes(m.layers[0], m)
         ('float16', 'float16')

@@ -32,6 +32,7 @@ def keras2_expressible(config: LossScaleConfig) -> bool:
     ceiling, non-finite steps skipped.
 
     Example:
+        >>> from ampbridge import LossScaleConfig
         >>> keras2_expressible(LossScaleConfig(mode="dynamic", initial_scale=1024.0, growth_interval=4, min_scale=1.0))
         True
         >>> keras2_expressible(LossScaleConfig(mode="dynamic"))  # no floor: Keras 2 stops halving at 1
@@ -122,7 +123,8 @@ def optimizer(inner: Any, policy: Policy | str) -> Any:
     ``max_consecutive_skips`` and ``first_growth_interval`` are refused by name.
 
     Example:
-        >>> import ampbridge
+        >>> import ampbridge, tf_keras
+        >>> from ampbridge import LossScaleConfig
         >>> p = ampbridge.preset("mixed_float16").replace(loss_scale=LossScaleConfig(
         ...     mode="dynamic", initial_scale=1024.0, growth_interval=4, min_scale=1.0))
         >>> opt = optimizer(tf_keras.optimizers.SGD(0.1), p)

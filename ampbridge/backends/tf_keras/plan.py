@@ -85,7 +85,7 @@ def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     """The static Plan of a tf_keras model under a policy: one row per layer, what will run.
 
     Example:
-        >>> import ampbridge
+        >>> import ampbridge, tf_keras
         >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
         >>> plan(m, ampbridge.preset("mixed_bfloat16"))["head"].compute_dtype
         'bfloat16'

@@ -26,7 +26,7 @@ def plan(model: Any, policy: Policy | str, *inputs: Any, warn: bool = True) -> P
     observed (nested layers keep their static rows). Needs a Functional or Sequential model.
 
     Example:
-        >>> import ampbridge
+        >>> import ampbridge, tf_keras
         >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
         >>> plan(m, "mixed_bfloat16", tf_keras.backend.ones((1, 2)))["head"].output_dtype
         'bfloat16'
