@@ -141,3 +141,17 @@ def test_settings_neither_realises_are_refused_by_name(change, named):
     cfg = LossScaleConfig(mode="dynamic", **change)
     with pytest.raises(UnsupportedOptionError, match=named):
         atk.optimizer(tf_keras.optimizers.SGD(0.1), policy_with(cfg))
+
+
+@fuzz_settings(20, 300)
+@given(configs, sequences)
+def test_what_to_tf_keras_writes_runs_the_policy_in_keras2(cfg, found_infs):
+    # the recipe's LossScaleOptimizer arguments, given to Keras 2's own class: exact where it says so
+    from ampbridge import recipes
+
+    conversion = recipes.to_tf_keras(policy_with(cfg).replace(output_dtype="float16"))
+    args = conversion.result["loss_scale_optimizer"]
+    if args is None or any(l.setting.startswith("loss_scale") for l in conversion.losses):
+        return
+    native = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(1.0), **args)
+    assert drive(native, found_infs) == reference(cfg, found_infs)
