@@ -213,6 +213,8 @@ HOOKS: tuple[PrivateHook, ...] = (
     _h("._non_trainable_weights", "tf_keras", "a layer's own weights (not its children's)", _TK + "test_plan_apply.py"),
     _h("._is_graph_network", "tf_keras", "a Functional or Sequential model (apply rebuilds those)",
        _TK + "test_plan_apply.py"),
+    _h("._set_dtype_policy", "tf_keras", "apply on a model not built yet: what the constructor's dtype= calls",
+       _TK + "test_plan_apply.py"),
     _h("._inbound_nodes", "tf_keras", "trace: a layer called once has one output tensor to read",
        _TK + "test_plan_apply.py"),
     # --- tf_keras: the reference loss-scale state inside Keras 2's LossScaleOptimizer (loss_scale.py)
