@@ -82,7 +82,7 @@ def test_demo_model_applied_before_build_runs_its_rows():
         ampbridge.Rule(match=("block",), compute_dtype="float32"),))
     model = tf_keras_model.build(policy=policy)
     want = {r.path: (r.compute_dtype, r.param_dtype) for r in ampbridge.plan(model, policy).rows}
-    for path, layer in atk.layers(model):
+    for path, layer in atk.walk(model):
         if path and layer.weights:
             assert all(v.dtype.name == want[path][1] for v in layer.weights), path
     assert model.get_layer("block").attn.query.compute_dtype == "float32"
@@ -103,7 +103,7 @@ def test_apply_rebuilds_nested_graphs_with_every_row_and_the_same_weights():
     policy = ampbridge.preset("mixed_bfloat16").replace(keep_float32=("kind:norm", "head"))
     out = atk.apply(model, policy)
     assert out is not model and model.get_layer("dense").dtype_policy.name == "float32"  # untouched
-    got = {p: (l.dtype_policy.name, [v.dtype.name for v in l.weights]) for p, l in atk.layers(out) if p}
+    got = {p: (l.dtype_policy.name, [v.dtype.name for v in l.weights]) for p, l in atk.walk(out) if p}
     assert got == {"dense": ("mixed_bfloat16", ["float32", "float32"]), "inner": ("mixed_bfloat16", ["float32"] * 4),
                    "inner.ln": ("float32", ["float32", "float32"]), "inner.proj": ("mixed_bfloat16", ["float32"] * 2),
                    "head": ("float32", ["float32", "float32"])}
@@ -172,3 +172,29 @@ def test_docstring_examples_run():
     results = [doctest.testmod(module, optionflags=doctest.ELLIPSIS) for module in modules]
     result = doctest.TestResults(sum(r.failed for r in results), sum(r.attempted for r in results))
     assert result.attempted > 10 and result.failed == 0
+
+
+def test_verbs_follow_the_backend_contract():
+    import inspect
+
+    P = inspect.Parameter
+    want = {  # verb: (room, its parameters as (name, kind))
+        "plan": ("plan", [("model", P.POSITIONAL_OR_KEYWORD), ("policy", P.POSITIONAL_OR_KEYWORD),
+                          ("example_inputs", P.VAR_POSITIONAL), ("warn", P.KEYWORD_ONLY)]),
+        "trace": ("trace", [("model", P.POSITIONAL_OR_KEYWORD), ("policy", P.POSITIONAL_OR_KEYWORD),
+                            ("example_inputs", P.VAR_POSITIONAL), ("warn", P.KEYWORD_ONLY)]),
+        "apply": ("apply", [("model", P.POSITIONAL_OR_KEYWORD), ("policy", P.POSITIONAL_OR_KEYWORD),
+                            ("warn", P.KEYWORD_ONLY)]),
+        "optimizer": ("loss_scale", [("inner", P.POSITIONAL_OR_KEYWORD), ("policy", P.POSITIONAL_OR_KEYWORD)]),
+        "layers": ("layers", [("model", P.POSITIONAL_OR_KEYWORD)]),
+        "owns": ("layers", [("obj", P.POSITIONAL_OR_KEYWORD)]),
+        "register_kind": ("layers", [("cls", P.POSITIONAL_OR_KEYWORD), ("kind", P.POSITIONAL_OR_KEYWORD)]),
+    }
+    for verb, (room, params) in want.items():
+        fn = getattr(atk, verb)
+        assert fn.__module__ == f"ampbridge.backends.tf_keras.{room}", verb
+        assert [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()] == params, verb
+    described = atk.layers(functional())
+    assert all(isinstance(l, ampbridge.Layer) for l in described) and [l.path for l in described][:2] == ["", "dense"]
+    with pytest.raises(TypeError, match="example inputs"):
+        atk.trace(functional(), "mixed_float16")

@@ -20,7 +20,7 @@ from ...core.plan import PlanRow, build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .environment import FRAMEWORK, _phase0, resolve_policy, set_matmul_precision
-from .layers import _AUTHOR, _describe, _graph, layers
+from .layers import _AUTHOR, _describe, _graph, walk
 from .plan import dtype_policy
 
 #: the name of the layer :func:`apply` appends to cast the model's outputs to ``output_dtype``
@@ -30,7 +30,7 @@ OUTPUT_CAST = "ampbridge_output_cast"
 def _rebuild(model: Any, rows: dict[str, PlanRow], prefix: str = "") -> Any:
     """A clone of a Functional or Sequential ``model`` whose every layer has its row's dtype policy
     (nested graph models are rebuilt the same way, one level further down the paths)."""
-    paths = {id(layer): path for path, layer in layers(model)}
+    paths = {id(layer): path for path, layer in walk(model)}
 
     def clone(layer: Any) -> Any:
         path = paths[id(layer)]
@@ -59,8 +59,8 @@ def _rebuild(model: Any, rows: dict[str, PlanRow], prefix: str = "") -> Any:
 
 def _copy_weights(source: Any, target: Any) -> None:
     """Each layer's weights into the rebuilt layer at the same path, cast to its variables' dtype."""
-    by_path = dict(layers(target))
-    for path, layer in layers(source):
+    by_path = dict(walk(target))
+    for path, layer in walk(source):
         own = layer._trainable_weights + layer._non_trainable_weights
         if not own or _graph(layer):
             continue
@@ -122,7 +122,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         >>> m.get_layer("head").dtype_policy.name, m(tf_keras.backend.ones((1, 2))).dtype.name
         ('mixed_float16', 'float32')
     """
-    built = any(layer.built for _, layer in layers(model))
+    built = any(layer.built for _, layer in walk(model))
     if built and not _graph(model):
         raise UnsupportedOptionError(
             f"ampbridge.tf_keras.apply on a built {type(model).__name__}: Keras 2 fixes a layer's dtype when its "

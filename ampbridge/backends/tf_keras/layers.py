@@ -1,7 +1,7 @@
 """The walk of a tf_keras (Keras 2) model: nested layers by path, their portable kinds, the
 dtypes the model's author fixed, and the neutral ``Layer`` descriptors the core plans from.
 
-Names: ``layers``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
+Names: ``layers``, ``walk``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
 ``_describe``, ``_AUTHOR``.
 """
 
@@ -97,14 +97,14 @@ def _children(layer: Any) -> list[tuple[str, Any]]:
             if not isinstance(child, tf_keras.layers.InputLayer)]
 
 
-def layers(model: Any) -> Iterator[tuple[str, Any]]:
+def walk(model: Any) -> Iterator[tuple[str, Any]]:
     """``(path, layer)`` for the model (path ``""``) and every nested layer, depth first; paths join
     the layers' names with ``.``; a shared layer is listed once, at its first path.
 
     Example:
         >>> import tf_keras
         >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
-        >>> [path for path, _ in layers(m)]
+        >>> [path for path, _ in walk(m)]
         ['', 'head']
     """
     if not owns(model):
@@ -164,9 +164,21 @@ def author_dtypes(layer: Any, model: Any) -> tuple[str, str] | None:
     return fixed
 
 
+def layers(model: Any) -> list[Layer]:
+    """The model's neutral ``ampbridge.Layer`` descriptors, in :func:`walk` order (what the Plan is built from).
+
+    Example:
+        >>> import tf_keras
+        >>> m = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1, name="head")])
+        >>> [(l.path, l.kind, l.param_count) for l in layers(m)]
+        [('', None, 0), ('head', 'linear', 3)]
+    """
+    return _describe(model)[0]
+
+
 def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
     described, by_path = [], {}
-    for path, layer in layers(model):
+    for path, layer in walk(model):
         kind, source = kind_and_source(layer)
         fixed = author_dtypes(layer, model) if path else None  # the model's own dtype is the user's
         described.append(Layer(path, kind, type(layer).__name__, _own_params(layer), source, fixed))

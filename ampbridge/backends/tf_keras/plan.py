@@ -1,7 +1,7 @@
 """The Plan of a tf_keras model (the core's rules, plus the rows where Keras 2 itself does
 otherwise), and the Keras 2 dtype policy each row becomes.
 
-Names: ``plan``, ``dtype_policy``; ``_adjuster``, ``_code_caller``.
+Names: ``plan``, ``dtype_policy``, ``STREAM_REFUSED``; ``_static``, ``_adjuster``, ``_code_caller``.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
     return adjust
 
 
-def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
-    """The static Plan of a tf_keras model under a policy: one row per layer, what will run.
+def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
+    """The Plan of a tf_keras model under a policy: one row per layer, what will run; with example
+    inputs, the rows one forward observed (:func:`ampbridge.backends.tf_keras.trace.trace`).
 
     Example:
         >>> import ampbridge, tf_keras
@@ -90,6 +91,14 @@ def plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
         >>> plan(m, ampbridge.preset("mixed_bfloat16"))["head"].compute_dtype
         'bfloat16'
     """
+    if example_inputs:
+        from .trace import trace
+
+        return trace(model, policy, *example_inputs, warn=warn)
+    return _static(model, policy, warn=warn)
+
+
+def _static(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     policy, notes = resolve_policy(policy, warn=warn)
     described, by_path = _describe(model)
     return build_plan(described, policy, framework=FRAMEWORK,
