@@ -26,10 +26,9 @@ import_framework("tf_keras", "tf_keras")  # before any room imports it: a clear 
 
 from .apply import OUTPUT_CAST, apply  # noqa: E402
 from .environment import device, resolve_policy, set_matmul_precision  # noqa: E402
-from .layers import author_dtypes, kind_and_source, kind_of, layers, owns, register_kind, walk  # noqa: E402
+from .layers import author_dtypes, dtype_policy, kind_and_source, kind_of, layers, owns, register_kind, walk  # noqa: E402
 from .loss_scale import keras2_expressible, optimizer, state_of  # noqa: E402
-from .plan import STREAM_REFUSED, dtype_policy  # noqa: E402
-from .plan import plan  # noqa: E402  (static Plan, traced when example inputs are given)
+from .plan import STREAM_REFUSED, plan  # noqa: E402  (plan: static, traced when example inputs are given)
 from .trace import trace  # noqa: E402
 
 __all__ = [

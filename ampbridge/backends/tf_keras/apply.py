@@ -20,8 +20,7 @@ from ...core.plan import PlanRow, build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .environment import FRAMEWORK, _phase0, resolve_policy, set_matmul_precision
-from .layers import _AUTHOR, _describe, _graph, walk
-from .plan import dtype_policy
+from .layers import _AUTHOR, _describe, _graph, dtype_policy, walk
 
 #: the name of the layer :func:`apply` appends to cast the model's outputs to ``output_dtype``
 OUTPUT_CAST = "ampbridge_output_cast"

@@ -1,7 +1,7 @@
 """The walk of a tf_keras (Keras 2) model: nested layers by path, their portable kinds, the
 dtypes the model's author fixed, and the neutral ``Layer`` descriptors the core plans from.
 
-Names: ``layers``, ``walk``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
+Names: ``layers``, ``walk``, ``dtype_policy``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
 ``_describe``, ``_AUTHOR``.
 """
 
@@ -16,6 +16,7 @@ import tf_keras
 
 from ...core.kinds import KindRegistry, infer_kind
 from ...core.plan import Layer
+from ...errors import UnsupportedOptionError
 
 
 def owns(obj: Any) -> bool:
@@ -174,6 +175,25 @@ def layers(model: Any) -> list[Layer]:
         [('', None, 0), ('head', 'linear', 3)]
     """
     return _describe(model)[0]
+
+
+def dtype_policy(compute_dtype: str, param_dtype: str, *, where: str = "") -> Any:
+    """The ``tf_keras.mixed_precision.Policy`` computing in ``compute_dtype`` with variables in
+    ``param_dtype``. Keras 2 names only single dtypes and ``mixed_float16`` / ``mixed_bfloat16``
+    (float32 variables); any other pair is refused by name.
+
+    Example:
+        >>> dtype_policy("float16", "float32").name
+        'mixed_float16'
+    """
+    if compute_dtype == param_dtype:
+        return tf_keras.mixed_precision.Policy(compute_dtype)
+    if param_dtype == "float32" and compute_dtype in ("float16", "bfloat16"):
+        return tf_keras.mixed_precision.Policy(f"mixed_{compute_dtype}")
+    raise UnsupportedOptionError(
+        f"compute_dtype={compute_dtype} with param_dtype={param_dtype}{' for layer ' + repr(where) if where else ''}: "
+        "Keras 2 has no dtype policy for this pair; accepted: one dtype for both, or float16/bfloat16 "
+        "compute with float32 parameters (mixed_float16, mixed_bfloat16)")
 
 
 def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:

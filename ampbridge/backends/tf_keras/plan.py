@@ -1,39 +1,21 @@
 """The Plan of a tf_keras model (the core's rules, plus the rows where Keras 2 itself does
-otherwise), and the Keras 2 dtype policy each row becomes.
+otherwise), static or observed in one forward of the applied copy (``_traced``; ``trace`` is its verb).
 
-Names: ``plan``, ``dtype_policy``, ``STREAM_REFUSED``; ``_static``, ``_adjuster``, ``_code_caller``.
+Names: ``plan``, ``STREAM_REFUSED``; ``_static``, ``_traced``, ``_adjuster``, ``_code_caller``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import tensorflow as tf
 import tf_keras
 
-from ...core.plan import Plan, PlanRow, build_plan, stream_notes, with_note
+from ...core.plan import Plan, PlanRow, build_plan, stream_notes, traced_plan, traced_row, with_note
 from ...core.policy import Policy
-from ...errors import UnsupportedOptionError
+from .apply import apply
 from .environment import FRAMEWORK, _phase0, resolve_policy
-from .layers import _describe, _graph
-
-
-def dtype_policy(compute_dtype: str, param_dtype: str, *, where: str = "") -> Any:
-    """The ``tf_keras.mixed_precision.Policy`` computing in ``compute_dtype`` with variables in
-    ``param_dtype``. Keras 2 names only single dtypes and ``mixed_float16`` / ``mixed_bfloat16``
-    (float32 variables); any other pair is refused by name.
-
-    Example:
-        >>> dtype_policy("float16", "float32").name
-        'mixed_float16'
-    """
-    if compute_dtype == param_dtype:
-        return tf_keras.mixed_precision.Policy(compute_dtype)
-    if param_dtype == "float32" and compute_dtype in ("float16", "bfloat16"):
-        return tf_keras.mixed_precision.Policy(f"mixed_{compute_dtype}")
-    raise UnsupportedOptionError(
-        f"compute_dtype={compute_dtype} with param_dtype={param_dtype}{' for layer ' + repr(where) if where else ''}: "
-        "Keras 2 has no dtype policy for this pair; accepted: one dtype for both, or float16/bfloat16 "
-        "compute with float32 parameters (mixed_float16, mixed_bfloat16)")
+from .layers import _describe, _graph, walk
 
 
 #: what a stream row's note adds on tf_keras: ampbridge turns TensorFlow's promotion on for Keras 3 only
@@ -92,9 +74,7 @@ def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = Tr
         'bfloat16'
     """
     if example_inputs:
-        from .trace import trace
-
-        return trace(model, policy, *example_inputs, warn=warn)
+        return _traced(model, policy, example_inputs, warn=warn)
     return _static(model, policy, warn=warn)
 
 
@@ -103,3 +83,19 @@ def _static(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     described, by_path = _describe(model)
     return build_plan(described, policy, framework=FRAMEWORK,
                       adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
+
+
+def _traced(model: Any, policy: Policy | str, example_inputs: tuple[Any, ...], *, warn: bool = True) -> Plan:
+    """The static Plan with the output dtypes one forward of the applied copy observed: the model's, and
+    those of the layers of its own graph called once (a nested graph's tensors are its own)."""
+    static = _static(model, policy, warn=warn)
+    twin = apply(model, static.policy, warn=False)  # a rebuilt copy: the model given is not changed
+    by_path = dict(walk(twin))
+    probed = [p for p, layer in by_path.items()
+              if p and "." not in p and not _graph(layer) and len(getattr(layer, "_inbound_nodes", ())) == 1]
+    taps = tf_keras.Model(twin.inputs, [by_path[p].output for p in probed] + [twin.output])
+    seen = taps(*example_inputs)
+    observed = {p: {t.dtype.name} for p, t in zip(probed, seen)}
+    observed[""] = {t.dtype.name for t in tf.nest.flatten(seen[-1])}
+    rows = [traced_row(row, None, observed[row.path]) if row.path in observed else row for row in static.rows]
+    return traced_plan(static, rows)

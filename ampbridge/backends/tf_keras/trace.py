@@ -7,14 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
-import tf_keras
-
-from ...core.plan import Plan, traced_plan, traced_row
+from ...core.plan import Plan
 from ...core.policy import Policy
-from .apply import apply
-from .layers import _graph, walk
-from .plan import _static
+from .plan import _traced
 
 
 def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
@@ -31,15 +26,4 @@ def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = T
     if not example_inputs:
         raise TypeError("ampbridge.tf_keras.trace(model, policy, *example_inputs) needs example inputs to run "
                         "(the static Plan is ampbridge.tf_keras.plan(model, policy))")
-    static = _static(model, policy, warn=warn)
-    twin = apply(model, static.policy, warn=False)
-    by_path = dict(walk(twin))
-    # the root graph's own layers (a nested graph's tensors, its own output included, are its graph's)
-    probed = [p for p, layer in by_path.items()
-              if p and "." not in p and not _graph(layer) and len(getattr(layer, "_inbound_nodes", ())) == 1]
-    taps = tf_keras.Model(twin.inputs, [by_path[p].output for p in probed] + [twin.output])
-    seen = taps(*example_inputs)
-    observed = {p: {t.dtype.name} for p, t in zip(probed, seen)}
-    observed[""] = {t.dtype.name for t in tf.nest.flatten(seen[-1])}
-    rows = [traced_row(row, None, observed[row.path]) if row.path in observed else row for row in static.rows]
-    return traced_plan(static, rows)
+    return _traced(model, policy, example_inputs, warn=warn)
