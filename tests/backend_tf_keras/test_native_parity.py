@@ -136,6 +136,14 @@ def test_saved_after_apply_loads_and_predicts_without_ampbridge(tmp_path):
     for path in paths:
         model.save(path)
     np.save(tmp_path / "x.npy", x)
+    # a subclassed model applied before build (the demo's): its output cast is traced into the SavedModel
+    from ampbridge.cli.demo import tf_keras_model
+
+    demo = tf_keras_model.build(policy=ampbridge.preset("mixed_float16").replace(keep_float32=("kind:norm",)))
+    tokens = np.arange(16, dtype="int32").reshape(2, 8) % 32
+    demo_want = demo(tokens).numpy()
+    demo.save(str(tmp_path / "demo"))
+    np.save(tmp_path / "tokens.npy", tokens)
     # one process without ampbridge loads every format (a process costs TensorFlow's import)
     script = textwrap.dedent(f"""
         import sys, numpy as np, tf_keras
@@ -145,6 +153,8 @@ def test_saved_after_apply_loads_and_predicts_without_ampbridge(tmp_path):
             np.save(f"{tmp_path}/out{{i}}.npy", model.predict(x, verbose=0))
             print(model.get_layer("dense").dtype_policy.name, model.get_layer("norm").dtype_policy.name,
                   model.get_layer("{atk.OUTPUT_CAST}").dtype_policy.name)
+        demo = tf_keras.models.load_model({str(tmp_path / 'demo')!r})
+        np.save(f"{tmp_path}/demo_out.npy", demo(np.load({str(tmp_path / 'tokens.npy')!r})).numpy())
         assert "ampbridge" not in sys.modules
     """)
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "PYTHONPATH": ""}
@@ -152,6 +162,8 @@ def test_saved_after_apply_loads_and_predicts_without_ampbridge(tmp_path):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-9:] == ["mixed_float16", "float32", "float32"] * 3
+    demo_out = np.load(tmp_path / "demo_out.npy")
+    assert demo_out.dtype == np.float32 and np.array_equal(demo_out, demo_want)
     for i in range(len(paths)):
         out = np.load(tmp_path / f"out{i}.npy")
         assert out.dtype == np.float32 and np.array_equal(out, want), paths[i]

@@ -121,6 +121,9 @@ def test_output_cast_is_keras2s_float32_activation_and_bfloat16_params_are_store
     out = atk.apply(model, ampbridge.preset("bfloat16").replace(output_dtype="float32"))
     assert out.layers[-1].name == atk.OUTPUT_CAST and out(np.ones((1, 3), "float32")).dtype.name == "float32"
     assert [v.dtype.name for v in out.get_layer("d").weights] == ["bfloat16", "bfloat16"]
+    unbuilt = atk.apply(tf_keras.Sequential([L.Dense(2, name="d")]), "mixed_float16")  # changed in place
+    assert [l.name for l in unbuilt.layers] == ["d", atk.OUTPUT_CAST]
+    assert unbuilt(np.ones((1, 3), "float32")).dtype.name == "float32" and unbuilt.get_layer("d").compute_dtype == "float16"
 
 
 def test_refused_by_name():

@@ -11,6 +11,8 @@ Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``OUTPUT_C
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any
 
 import tensorflow as tf
@@ -85,21 +87,27 @@ def _cast_outputs(model: Any, output_dtype: str) -> Any:
 
 def _set_in_place(model: Any, rows: dict[str, PlanRow], by_path: dict[str, Any], output_dtype: str) -> Any:
     """An unbuilt model: each layer's policy set before its variables exist (as if made with ``dtype=``),
-    and the model's float outputs cast to ``output_dtype`` by a wrapper on its ``call``."""
+    and the model's float outputs cast to ``output_dtype``: a Sequential gets the cast layer, a subclassed
+    model a wrapper on its ``call`` (traced into a SavedModel with it)."""
     for path, layer in by_path.items():
         row = rows[path]
         # private: Layer._set_dtype_policy (tf-keras 2.21), what the constructor's dtype= calls
         layer._set_dtype_policy(dtype_policy(row.compute_dtype, row.param_dtype, where=path))
-    inner = type(model).call.__get__(model)
+    own = type(model).call
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
+    @functools.wraps(own)  # Keras 2's saving reads the call's signature (inputs, training, mask)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = own(self, *args, **kwargs)
         return tf.nest.map_structure(
             lambda t: tf.cast(t, output_dtype) if getattr(t, "dtype", None) is not None and t.dtype.is_floating
             and t.dtype.name != output_dtype else t, out)
 
-    if rows[""].compute_dtype != output_dtype:
-        object.__setattr__(model, "call", call)
+    if rows[""].compute_dtype == output_dtype:
+        return model
+    if isinstance(model, tf_keras.Sequential):  # a layer of its config: saved, and reloaded without ampbridge
+        model.add(tf_keras.layers.Activation("linear", dtype=output_dtype, name=OUTPUT_CAST))
+    else:
+        object.__setattr__(model, "call", types.MethodType(call, model))
     return model
 
 
