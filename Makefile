@@ -64,11 +64,13 @@ test-core: $(CORE_VENV)/.stamp  ## the framework-free core suite only (about a m
 	$(CORE_VENV)/bin/python -m pytest tests/core -q
 
 # every backend is required here: a missing framework fails instead of skipping.
-# Keras picks its backend once per process, so its tests run again under JAX and torch.
-test-all: $(VENV)/.stamp  ## every backend's suite, Keras under TensorFlow, JAX and torch
+# Keras picks its backend once per process, so its tests run again under JAX and torch; tf.keras 2
+# (tf_keras) needs TF_USE_LEGACY_KERAS=1 before TensorFlow resolves tf.keras: its own process too.
+test-all: $(VENV)/.stamp  ## every backend's suite, Keras under TensorFlow, JAX and torch, and tf.keras 2
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q tests/backend_keras
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q tests/backend_keras
+	AMPBRIDGE_REQUIRE=all TF_USE_LEGACY_KERAS=1 $(VENV)/bin/python -m pytest -q tests/backend_tf_keras
 
 # the differential fuzzers (every tests/**/test_fuzz*.py) with many more, fresh examples than make test's
 # seeded few (AMPBRIDGE_FUZZ=1: ampbridge._testing.fuzz_settings); the Keras ones under each Keras backend

@@ -1,7 +1,7 @@
 """ampbridge: one mixed-precision policy, realised natively in PyTorch, Keras and JAX.
 
-``import ampbridge`` imports no framework; ``ampbridge.torch``, ``ampbridge.keras`` and
-``ampbridge.jax`` are imported when first used.
+``import ampbridge`` imports no framework; ``ampbridge.torch``, ``ampbridge.keras``,
+``ampbridge.tf_keras`` and ``ampbridge.jax`` are imported when first used.
 
 Example:
     >>> import ampbridge
@@ -83,7 +83,7 @@ __all__ = [
     "trajectory",
 ]
 
-_ADAPTERS = ("torch", "keras", "jax")
+_ADAPTERS = ("torch", "keras", "tf_keras", "jax")
 
 
 def plan(model: Any, policy: Policy | str, *args: Any, **kwargs: Any) -> Plan:
@@ -102,7 +102,7 @@ def plan(model: Any, policy: Policy | str, *args: Any, **kwargs: Any) -> Plan:
     if name is None:
         raise UnknownBackendError(
             f"no installed backend recognises a {type(model).__module__}.{type(model).__qualname__}; "
-            "accepted: a torch.nn.Module, a Keras model or layer, a Flax module, or a list of ampbridge.Layer"
+            "accepted: a torch.nn.Module, a Keras (3, or 2 as tf_keras) model or layer, a Flax module, or a list of ampbridge.Layer"
         )
     return backend_module(name).plan(model, policy, *args, **kwargs)
 

@@ -23,6 +23,10 @@ if importlib.util.find_spec("torch") is not None and not os.environ.get("AMPBRID
 
 import pytest  # noqa: E402
 
+# tf.keras 2 needs TF_USE_LEGACY_KERAS=1 before TensorFlow resolves tf.keras: its tests run in their own
+# process (make test-all: TF_USE_LEGACY_KERAS=1 pytest tests/backend_tf_keras), not beside Keras 3's
+collect_ignore = [] if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else ["backend_tf_keras"]
+
 
 @pytest.fixture(autouse=True)
 def _plan_warnings_unsaid():

@@ -28,7 +28,8 @@ from ..diagnostics.hardware import Device, resolve_auto
 from ..errors import BackendUnavailableError, LossyPolicyWarning, warn_once
 
 #: the extra that installs each backend's framework
-EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "tensorflow"}
+EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "tensorflow",
+          "tf_keras": "tf-keras"}
 
 
 def environment(policy: Policy | str | os.PathLike[str], framework: str, *,

@@ -12,7 +12,7 @@ Example:
     >>> tested_range("keras")
     'keras 3.12.0 to 3.15.1'
     >>> sorted({h.framework for h in HOOKS})
-    ['jax', 'keras', 'torch']
+    ['jax', 'keras', 'tf_keras', 'torch']
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ TESTED: dict[str, tuple[str, str]] = {
     "jax": ("0.10.0", "0.10.2"),
     "flax": ("0.12.5", "0.12.8"),
     "optax": ("0.2.6", "0.2.8"),
+    "tf_keras": ("2.21.0", "2.21.0"),
 }
 
 
@@ -92,7 +93,7 @@ class PrivateHook(NamedTuple):
 
 
 _VERSIONS = {"torch": "torch 2.13.0", "keras": "keras 3.12.0-3.15.1 (tensorflow 2.20-2.21, jax 0.10, torch 2.13)",
-             "jax": "jax 0.10.0-0.10.2, flax 0.12.5-0.12.8"}
+             "jax": "jax 0.10.0-0.10.2, flax 0.12.5-0.12.8", "tf_keras": "tf-keras 2.21.0 (tensorflow 2.21)"}
 
 
 def versions_checked(hook: PrivateHook) -> str:
@@ -103,6 +104,7 @@ def versions_checked(hook: PrivateHook) -> str:
 _T = "tests/backend_torch/"
 _K = "tests/backend_keras/"
 _J = "tests/backend_jax/"
+_TK = "tests/backend_tf_keras/"
 _SCALER = _T + "test_scaler.py"
 _TRACE = _T + "test_dtypes.py"
 _KLS = _K + "test_loss_scale.py"
@@ -205,6 +207,25 @@ HOOKS: tuple[PrivateHook, ...] = (
     # --- jax ---
     _h("._pytree__nodes", "jax", "flax NNX: set a static attribute without NNX's 75 us checks",
        _J + "test_nnx.py"),
+    # --- tf_keras (Keras 2): layers and apply ---
+    _h("._flatten_layers", "tf_keras", "a layer's direct children (layer walk)", _TK + "test_plan_apply.py"),
+    _h("._trainable_weights", "tf_keras", "a layer's own weights (not its children's)", _TK + "test_plan_apply.py"),
+    _h("._non_trainable_weights", "tf_keras", "a layer's own weights (not its children's)", _TK + "test_plan_apply.py"),
+    _h("._is_graph_network", "tf_keras", "a Functional or Sequential model (apply rebuilds those)",
+       _TK + "test_plan_apply.py"),
+    _h("._set_dtype_policy", "tf_keras", "apply on a model not built yet: what the constructor's dtype= calls",
+       _TK + "test_plan_apply.py"),
+    _h("._inbound_nodes", "tf_keras", "trace: a layer called once has one output tensor to read",
+       _TK + "test_plan_apply.py"),
+    # --- tf_keras: the reference loss-scale state inside Keras 2's LossScaleOptimizer (loss_scale.py)
+    _h("._DynamicLossScaleState", "tf_keras", "the state class Keras 2's apply_gradients asks; subclassed",
+       _TK + "test_loss_scale.py"),
+    _h("._is_all_finite", "tf_keras", "Keras 2's own finiteness test of the gradients", _TK + "test_loss_scale.py"),
+    _h("._add_weight", "tf_keras", "the state's checkpointed variables, as Keras 2's own", _TK + "test_loss_scale.py"),
+    _h("._loss_scale", "tf_keras", "the optimizer's state object, replaced by the reference one",
+       _TK + "test_loss_scale.py"),
+    _h("._track_trackable", "tf_keras", "checkpoint the replacement state under Keras 2's own key",
+       _TK + "test_loss_scale.py"),
 )
 
 

@@ -21,11 +21,14 @@ from typing import Any
 # Keras comes first: under the torch Keras backend a Keras layer is also a torch.nn.Module.
 BACKENDS: dict[str, tuple[tuple[str, ...], str]] = {
     "keras": (("keras",), "ampbridge.keras"),
+    # tf.keras 2 (the tf_keras package): its own classes, not Keras 3's; owns() reads the class's module
+    "tf_keras": (("tf_keras",), "ampbridge.tf_keras"),
     "jax": (("flax", "jax"), "ampbridge.jax"),
     "torch": (("torch",), "ampbridge.torch"),
 }
 ALIASES = {"pt": "torch", "pytorch": "torch", "tf": "keras", "tensorflow": "keras",
-           "tf.keras": "keras", "flax": "jax", "nnx": "jax"}
+           "tf.keras": "keras", "flax": "jax", "nnx": "jax",
+           "tf-keras": "tf_keras", "keras2": "tf_keras"}
 
 _cache: dict[type, str | None] = {}
 _lock = threading.Lock()

@@ -15,6 +15,7 @@ deepspeed       ``from_deepspeed(config_dict)``               ``to_deepspeed(pol
 accelerate      ``from_accelerate(config_dict)``              ``to_accelerate(policy)`` -> dict
 lightning       ``from_lightning("bf16-mixed")``              ``to_lightning(policy)`` -> dict
 keras           ``from_keras("mixed_float16")``               ``to_keras(policy)`` -> dict
+tf_keras        ``from_tf_keras("mixed_float16")``            ``to_tf_keras(policy)`` -> dict
 jmp             ``from_jmp("p=f32,c=bf16,o=f32")``            ``to_jmp(policy)`` -> str
 grad-scaler     ``from_grad_scaler(state_dict_or_kwargs)``    ``to_grad_scaler(policy)`` -> dict
 flax            ``from_flax(dynamic_scale_kwargs)``           ``to_flax(policy)`` -> dict | None
@@ -30,7 +31,7 @@ here are the converters for those tools' settings, not the tools).
 
 Layout: ``convert`` holds what every converter shares (Loss, Conversion, the reading and writing
 helpers, loss_scale_view, differences); one module per tool (``deepspeed``, ``apex``,
-``accelerate``, ``lightning``, ``keras``, ``jmp``, ``grad_scaler``, ``flax``, ``optax``, ``fsdp``);
+``accelerate``, ``lightning``, ``keras``, ``tf_keras``, ``jmp``, ``grad_scaler``, ``flax``, ``optax``, ``fsdp``);
 ``formats`` the format-generic entry points (detect, read, write, loads, load); ``compare``
 disagreements.
 
@@ -78,6 +79,7 @@ from .jmp import from_jmp, to_jmp
 from .keras import from_keras, from_keras_loss_scale_optimizer, to_keras
 from .lightning import from_lightning, to_lightning
 from .optax import from_optax, to_optax
+from .tf_keras import from_tf_keras, from_tf_keras_loss_scale_optimizer, to_tf_keras
 
 __all__ = [
     "Loss",
@@ -94,6 +96,9 @@ __all__ = [
     "from_keras",
     "from_keras_loss_scale_optimizer",
     "to_keras",
+    "from_tf_keras",
+    "from_tf_keras_loss_scale_optimizer",
+    "to_tf_keras",
     "from_jmp",
     "to_jmp",
     "from_grad_scaler",

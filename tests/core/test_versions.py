@@ -13,7 +13,7 @@ from ampbridge.backends.private_hooks import TESTED, check_release, release
 from ampbridge.errors import AmpBridgeWarning, BackendUnavailableError
 
 ROOT = Path(__file__).resolve().parents[2]
-PIP_NAME = {"tensorflow": "tensorflow-cpu"}
+PIP_NAME = {"tensorflow": "tensorflow-cpu", "tf_keras": "tf-keras"}
 
 
 def _pins(name):
@@ -44,7 +44,7 @@ def test_constraints_min_says_why_for_every_framework():
 def test_pyproject_extras_declare_the_floors():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     declared = {}
-    for requirement in extras["torch"] + extras["keras"] + extras["tensorflow"] + extras["jax"]:
+    for requirement in extras["torch"] + extras["keras"] + extras["tensorflow"] + extras["jax"] + extras["tf-keras"]:
         if requirement.startswith(("ampbridge[", "numpy")):  # an extra's own extras; the demo's numpy
             continue
         name, floor = re.fullmatch(r"([a-z-]+)>=(\S+)", requirement).groups()

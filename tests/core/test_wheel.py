@@ -89,7 +89,7 @@ def test_the_installed_cli_runs_from_outside_the_tree(installed):
     assert module.returncode == 0 and "compute_dtype" in module.stdout, module.stderr
 
 
-@pytest.mark.parametrize("backend, extra", [("torch", "torch"), ("keras", "keras"), ("jax", "jax")])
+@pytest.mark.parametrize("backend, extra", [("torch", "torch"), ("keras", "keras"), ("tf_keras", "tf-keras"), ("jax", "jax")])
 def test_a_missing_framework_names_its_extra(installed, backend, extra):
     code = (f"import ampbridge\ntry:\n    import ampbridge.{backend}\n"
             "except ImportError as e:\n    print(type(e).__name__, isinstance(e, ampbridge.AmpBridgeError)); print(e)\n")
