@@ -37,3 +37,17 @@ def test_the_cpu_lstm_checks_take_a_torch_dtype_too():
     assert abt.cpu_lstm_takes_float32_inputs(torch.bfloat16) == abt.cpu_lstm_takes_float32_inputs("bfloat16")
     assert abt.cpu_lstm_takes_float32_inputs(torch.float16) == abt.cpu_lstm_takes_float32_inputs("float16")
     assert cpu_lstm_runs(torch.float32, torch.float32)
+
+
+def test_the_demo_says_which_frameworks_it_leaves_out(monkeypatch, capsys):
+    """A demo that trains fewer frameworks than it could says so (it once dropped JAX silently
+    where jmp was missing): the note names each left out and its extra."""
+    from ampbridge.cli.commands import main
+    from ampbridge.cli.demo import run as demo
+
+    monkeypatch.setattr(demo, "installed_frameworks", lambda: ["torch"])
+    assert main(["demo", "--steps", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "training 4 steps in torch;" in out
+    assert "note: not installed here, so not trained: keras, jax (pip install 'ampbridge[keras]' " \
+           "'ampbridge[jax]')" in err

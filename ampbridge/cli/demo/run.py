@@ -23,7 +23,8 @@ from ...core.plan import Plan, build_plan, layers_from_data
 from ...core.table import render_table
 from ..common import EXAMPLES, InputError, UsageError, defaults_notes
 
-_NEEDS = {"torch": ("torch",), "keras": ("keras",), "jax": ("jax", "flax", "optax", "jmp")}
+# what each framework's demo run imports (jmp only for the tests' native jmp run, not here)
+_NEEDS = {"torch": ("torch",), "keras": ("keras",), "jax": ("jax", "flax", "optax")}
 
 
 def installed_frameworks() -> list[str]:
@@ -149,6 +150,10 @@ def run_demo(args: argparse.Namespace) -> int:
         frameworks = [f for f in wanted if f in _NEEDS]
     else:
         frameworks = available
+        absent = [fw for fw in _NEEDS if fw not in available]
+        if frameworks and absent:  # said, so a shorter table is not mistaken for the whole demo
+            print(f"note: not installed here, so not trained: {', '.join(absent)} "
+                  f"(pip install {' '.join(repr(f'ampbridge[{fw}]') for fw in absent)})", file=sys.stderr)
     if args.steps < 4:
         raise UsageError("--steps must be at least 4")
     if args.plot and not frameworks:
