@@ -45,14 +45,16 @@ def _cast_model_inputs(tree: Any, to: np.dtype, originals: dict[int, tuple[Any, 
     return jax.tree_util.tree_map(cast, tree)
 
 
-def _uncast_model_inputs(tree: Any, originals: dict[int, tuple[Any, Any]]) -> Any:
-    """Each leaf that is (the very object) one of the model's cast inputs, back to the original."""
+def _uncast_model_inputs(tree: Any, originals: dict[int, tuple[Any, Any]], compute: np.dtype) -> Any:
+    """Each leaf that is (the very object) one of the model's cast inputs, back to the original,
+    for a layer that computes in another dtype than the cast (where it is the same, the cast leaf
+    is what the layer's own cast would give: kept, so the planning memo still keys on it)."""
     if not originals:
         return tree
 
     def original(x: Any) -> Any:
         hit = originals.get(id(x))
-        return hit[1] if hit is not None and hit[0] is x else x
+        return hit[1] if hit is not None and hit[0] is x and x.dtype != compute else x
 
     return jax.tree_util.tree_map(original, tree)
 

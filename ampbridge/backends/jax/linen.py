@@ -230,7 +230,7 @@ class _LinenInterceptor:
         if outermost:
             self.model_inputs = {}
         else:
-            args, kwargs = _uncast_model_inputs((args, kwargs), self.model_inputs)
+            args, kwargs = _uncast_model_inputs((args, kwargs), self.model_inputs, compute)
         key = None
         if self.memo is not None and not outermost and watch is None and self.observer is None:
             with _attributes(module, **attrs):

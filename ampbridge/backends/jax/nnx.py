@@ -233,8 +233,8 @@ def _wrap_method(name: str, original: Callable) -> Callable:
             _ACTIVE.model_inputs = {}
             args, kwargs = _cast_model_inputs((args, kwargs), compute, _ACTIVE.model_inputs)
         else:
-            args, kwargs = _cast_tree(_uncast_model_inputs((args, kwargs), getattr(_ACTIVE, "model_inputs", {})),
-                                      compute)
+            args, kwargs = _cast_tree(_uncast_model_inputs((args, kwargs), getattr(_ACTIVE, "model_inputs", {}),
+                                                           compute), compute)
         if id(self) in active:  # one of its own methods calling another: parameters already cast
             out = _cast_tree(original(self, *args, **kwargs), _DTYPES[output_name])
             return out if final_name is None else _cast_tree(out, _DTYPES[final_name])
