@@ -193,6 +193,8 @@ HOOKS: tuple[PrivateHook, ...] = (
     _h("._torch_params", "keras", "Keras-on-torch: re-track recast variables", _KAPPLY),
     _h("._track_variables", "keras", "Keras-on-torch: re-track recast variables", _KAPPLY),
     _h("._auto_config", "keras", "a layer's constructor arguments (kinds)", _K + "test_kinds.py"),
+    _h("._float8_build", "keras", "whether a layer has Keras's float8 training path (fp8.py: Dense, EinsumDense)",
+       _K + "test_fp8.py"),
     _h("._seed_generators", "keras", "the monitor's sampling slots travel with the JAX state",
        _K + "test_monitor.py"),
     _h("MixedDTypePolicy._parse_name", "keras", "override: policies with any compute/variable pair",
