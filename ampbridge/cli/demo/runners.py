@@ -8,6 +8,10 @@ steps), the loss scale each step used, which steps were skipped, the final loss-
 ``native=True`` runs the framework's own AMP instead (no ampbridge; used for timing ratios):
 torch ``autocast`` + ``GradScaler``, Keras's global mixed policy + ``LossScaleOptimizer``, jmp's
 policy + ``DynamicLossScale`` in JAX, each with the policy's compute dtype and no pins.
+
+tf.keras 2 (``tf_keras``) is an optional fourth column (:data:`OPTIONAL`): it runs in the same process
+as Keras 3 (the ``tf_keras`` package needs no ``TF_USE_LEGACY_KERAS``; that only decides what
+``tf.keras`` names, and the runner never uses ``tf.keras``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ...core.policy import Policy
 from .model import CONFIG, batches
 
 FRAMEWORKS = ("torch", "keras", "jax")
+OPTIONAL = ("tf_keras",)  # trained where installed; the conformance suite adds its column then
 Progress = Callable[[int], None]
 
 
@@ -306,4 +311,46 @@ def _run_jmp(policy: Policy, module: Any, variables: Any, data: list, inject: se
     return run
 
 
-RUNNERS = {"torch": run_torch, "keras": run_keras, "jax": run_jax}
+# --- tf.keras 2 ---------------------------------------------------------------------------------------
+
+def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0,
+                 progress: Progress | None = None, jit_compile: bool | None = None) -> Run:
+    """The Keras 3 run in tf.keras 2: the policy applied before the model is built (Keras 2 fixes a
+    layer's dtype when its variables are made). A ``[[phase]]`` schedule runs its first phase."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+
+    import ampbridge.tf_keras as atk
+
+    from . import tf_keras_model as km
+
+    inject = set(inject)
+    run = Run("tf_keras", None)
+    active = policy.at(step=0, epoch=0) if policy.phases else policy
+    model = km.build(seed, policy=active)
+    opt = atk.optimizer(tf_keras.optimizers.SGD(CONFIG.lr), policy)
+    run.plan = atk.plan(model, active, warn=False)
+
+    def loss_fn(targets, logits):
+        return tf_keras.losses.sparse_categorical_crossentropy(targets, tf.cast(logits, "float32"), from_logits=True)
+
+    model.compile(optimizer=opt, loss=loss_fn, jit_compile=jit_compile)
+    head = model.get_layer("head").kernel
+    for i, (x, y) in enumerate(batches(steps)):
+        w = np.full(x.shape, np.inf if i in inject else 1.0, np.float32)  # per token, like the loss
+        used, before = float(opt.loss_scale.numpy()), head.numpy()
+        t0 = time.perf_counter()
+        logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
+        run.step_seconds.append(time.perf_counter() - t0)
+        run.losses.append(math.nan if i in inject else float(logs["loss"]))
+        run.scales.append(used)
+        run.skipped.append(bool(np.array_equal(before, head.numpy())))
+        _tick(progress, i)
+    state = atk.state_of(opt)  # Keras 2's own state holds scale and good steps only: the rest is counted here
+    run.final_state = LossScaleState(state["scale"], int(state["good_steps"]), int(state.get("hysteresis_left", 1)),
+                                     int(state.get("steps", steps)), int(state.get("skipped", sum(run.skipped))))
+    return run
+
+
+RUNNERS = {"torch": run_torch, "keras": run_keras, "jax": run_jax, "tf_keras": run_tf_keras}
