@@ -107,3 +107,36 @@ def test_what_it_needs_is_said_by_name(tmp_path):
     plain.compile(tf_keras.optimizers.SGD(), "mse")
     with pytest.raises(UnsupportedOptionError, match="ampbridge.tf_keras.optimizer"):
         atk.Monitor(tmp_path / "c.jsonl", plain)
+
+
+def test_a_custom_loop_logs_as_fit_does(tmp_path):
+    m, x, y = model_and_data()
+    opt = m.optimizer
+    expected0 = native_stats(m, x[:BATCH], y[:BATCH], 1024.0)
+    path = tmp_path / "loop.jsonl"
+    monitor = atk.Monitor(path, m, every=2)
+
+    @tf.function
+    def step(xb, yb, mult):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf_keras.losses.mse(yb, tf.cast(m(xb, training=True), tf.float32))) * mult
+            scaled = opt.get_scaled_loss(loss)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, m.trainable_variables))
+        opt.apply_gradients(zip(grads, m.trainable_variables))
+        return loss
+
+    scales = []
+    with monitor:
+        for i in range(5):
+            scales.append(float(opt.loss_scale.numpy()))
+            loss = step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH], np.float32(np.inf if i == 1 else 1.0))
+            monitor.record(loss)
+    log = read_log(path)
+    assert [(s["step"], s["found_inf"], s["loss_scale"]) for s in log.steps] == [
+        (0, False, 1024.0), (1, True, 1024.0), (2, False, 512.0), (4, False, 512.0)]
+    assert [s["loss_scale"] for s in log.steps] == [scales[s["step"]] for s in log.steps]
+    for name, want in expected0.items():
+        got = log.steps[0]["layers"][name]
+        np.testing.assert_allclose([got[k] for k in STAT_KEYS], [want[k] for k in STAT_KEYS], rtol=1e-5, err_msg=name)
+    assert log.steps[1]["first_nonfinite"] == {"path": "head", "where": "gradient"}
+    assert (log.end["steps"], log.end["skipped"]) == (5, 1)

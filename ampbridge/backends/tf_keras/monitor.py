@@ -47,9 +47,12 @@ def _layer_row(grads: list[Any], scale: Any, compute_dtype: str) -> Any:
 class Monitor(tf_keras.callbacks.Callback):
     """The numerics log of a tf_keras model trained with ``fit`` and :func:`~ampbridge.tf_keras.optimizer`.
 
-    Pass it to ``fit(callbacks=[monitor])``. It writes a header, a record for every ``every``-th
+    Pass it to ``fit(callbacks=[monitor])``, or call :meth:`record` after each step of a custom loop
+    (``get_scaled_loss`` / ``get_unscaled_gradients`` / ``apply_gradients``; made before the loop's
+    ``tf.function`` is traced). It writes a header, a record for every ``every``-th
     step (step 0 included) with each layer's gradient statistics, and a record for every step
-    whose gradients were non-finite; ``fit``'s end writes a closing record (:meth:`close` too).
+    whose gradients were non-finite; ``fit``'s end writes a closing record (:meth:`close` too, and
+    the ``with`` block's end).
     The statistics are computed inside the train step from the unscaled gradients the
     ``LossScaleOptimizer`` applies (its ``apply_gradients`` is wrapped on this instance; unsampled
     finite steps compute none of them); the step's loss from the model's ``compute_loss``.
@@ -102,6 +105,7 @@ class Monitor(tf_keras.callbacks.Callback):
             self._stats = tf.Variable(np.zeros((max(len(self._groups), 1), len(STAT_KEYS)), np.float32),
                                       trainable=False, name="ampbridge_monitor_stats")
         self._wrap(model, opt)
+        self._scale_used = float(opt.loss_scale.numpy())  # a custom loop's first step (fit's reads it again)
         cfg = self.policy.resolved_loss_scale
         self._skips = cfg.skip_nonfinite
         self._writer = RunLogWriter(path, framework="tf_keras", compute_dtype=self.policy.compute_dtype,
@@ -162,6 +166,14 @@ class Monitor(tf_keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         self._sample.assign(self._seen % self.every == 0)
         self._scale_used = float(self.model_.optimizer.loss_scale.numpy())
+
+    def record(self, loss: Any = None) -> None:
+        """A custom loop's step: call it after each ``optimizer.apply_gradients`` (the step's loss
+        given here, as the loop does not call ``compute_loss``). The step logs as in ``fit``."""
+        if loss is not None:
+            self._loss.assign(tf.cast(loss, tf.float32))
+        self.on_train_batch_end(self._seen)
+        self.on_train_batch_begin(self._seen)  # the next step's sampling and the scale it will use
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         step, found_inf = self._seen, bool(self._found_inf.numpy())
