@@ -37,9 +37,8 @@ TF_KERAS_REFUSES = {"first_growth": "first_growth_interval", "max_skips": "max_c
 
 
 def columns(case: str) -> tuple[str, ...]:
-    """The frameworks that run ``case``: tf_keras where installed, but not a schedule (no phases in
-    tf_keras yet: docs/tf_keras.md) nor what it refuses."""
-    extra = TF_KERAS and case not in TF_KERAS_REFUSES and case != "schedule"
+    """The frameworks that run ``case``: tf_keras where installed, but not what it refuses."""
+    extra = TF_KERAS and case not in TF_KERAS_REFUSES
     return FRAMEWORKS + (("tf_keras",) if extra else ())
 
 STEPS = 50
@@ -187,7 +186,7 @@ def test_loss_scale_trajectory_and_skips_match_the_reference(case):
 
 def test_the_schedule_switches_at_the_same_steps():
     expected = [0] * 10 + [1] * 20 + [2] * 20
-    for fw in FRAMEWORKS:
+    for fw in columns("schedule"):
         assert run("schedule", fw).phases == expected, fw
 
 

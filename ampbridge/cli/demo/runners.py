@@ -316,7 +316,8 @@ def _run_jmp(policy: Policy, module: Any, variables: Any, data: list, inject: se
 def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0,
                  progress: Progress | None = None, jit_compile: bool | None = None) -> Run:
     """The Keras 3 run in tf.keras 2: the policy applied before the model is built (Keras 2 fixes a
-    layer's dtype when its variables are made). A ``[[phase]]`` schedule runs its first phase."""
+    layer's dtype when its variables are made); a ``[[phase]]`` schedule runs through ``fit`` with
+    ``PhaseCallback``, as in Keras 3."""
     import numpy as np
     import tensorflow as tf
     import tf_keras
@@ -328,7 +329,7 @@ def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed
     inject = set(inject)
     run = Run("tf_keras", None)
     active = policy.at(step=0, epoch=0) if policy.phases else policy
-    model = km.build(seed, policy=active)
+    model = km.build(seed, policy=policy)  # a schedule: layers made for every phase, the first one running
     opt = atk.optimizer(tf_keras.optimizers.SGD(CONFIG.lr), policy)
     run.plan = atk.plan(model, active, warn=False)
 
@@ -337,7 +338,9 @@ def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed
 
     model.compile(optimizer=opt, loss=loss_fn, jit_compile=jit_compile)
     head = model.get_layer("head").kernel
-    for i, (x, y) in enumerate(batches(steps)):
+    if policy.phases:
+        _fit_phases(atk.PhaseCallback(policy), model, opt, run, batches(steps), inject, progress)
+    for i, (x, y) in enumerate(batches(steps) if not policy.phases else ()):
         w = np.full(x.shape, np.inf if i in inject else 1.0, np.float32)  # per token, like the loss
         used, before = float(opt.loss_scale.numpy()), head.numpy()
         t0 = time.perf_counter()
@@ -351,6 +354,35 @@ def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed
     run.final_state = LossScaleState(state["scale"], int(state["good_steps"]), int(state.get("hysteresis_left", 1)),
                                      int(state.get("steps", steps)), int(state.get("skipped", sum(run.skipped))))
     return run
+
+
+def _fit_phases(phase_cb: Any, model: Any, opt: Any, run: Run, data: list, inject: set, progress: Progress | None) -> None:
+    """A schedule through ``fit``: the per-step records from a callback (fit reports running means, not
+    per-step losses)."""
+    import numpy as np
+    import tf_keras
+
+    x = np.concatenate([b[0] for b in data])
+    y = np.concatenate([b[1] for b in data])
+    w = np.ones(x.shape, np.float32)  # per token, like the loss
+    for i in inject:
+        w[i * CONFIG.batch:(i + 1) * CONFIG.batch] = np.inf
+
+    class Record(tf_keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            run.phases.append(phase_cb.phase)
+            run.scales.append(float(opt.loss_scale.numpy()))
+            self.skipped_before = int(opt._loss_scale.skipped.numpy())
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            run.step_seconds.append(time.perf_counter() - self.t0)
+            run.skipped.append(int(opt._loss_scale.skipped.numpy()) > self.skipped_before)
+            run.losses.append(math.nan)
+            _tick(progress, batch)
+
+    model.fit(x, y, sample_weight=w, batch_size=CONFIG.batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[phase_cb, Record()])
 
 
 RUNNERS = {"torch": run_torch, "keras": run_keras, "jax": run_jax, "tf_keras": run_tf_keras}
