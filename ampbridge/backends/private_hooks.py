@@ -217,6 +217,8 @@ HOOKS: tuple[PrivateHook, ...] = (
        _TK + "test_plan_apply.py"),
     _h("._set_dtype_policy", "tf_keras", "apply on a model not built yet: what the constructor's dtype= calls",
        _TK + "test_plan_apply.py"),
+    _h("._is_default", "tf_keras", "a layer whose build is Layer's own (Keras 2 never calls it): a schedule's "
+       "layer switches to the first phase's policy at once rather than after its build", _TK + "test_schedule.py"),
     _h("._inbound_nodes", "tf_keras", "trace: a layer called once has one output tensor to read",
        _TK + "test_plan_apply.py"),
     # --- tf_keras: the reference loss-scale state inside Keras 2's LossScaleOptimizer (loss_scale.py)

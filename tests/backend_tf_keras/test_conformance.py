@@ -49,7 +49,7 @@ def reference(policy, inject):
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_scaler_trajectory_is_the_reference_and_keras3s(name):
     from ampbridge.cli.demo.runners import run_keras
-    from ampbridge.cli.demo.tf_keras_runner import run_tf_keras
+    from ampbridge.cli.demo.runners import run_tf_keras
 
     policy, inject = POLICIES[name]
     got = run_tf_keras(policy, STEPS, inject)
@@ -64,7 +64,7 @@ def test_scaler_trajectory_is_the_reference_and_keras3s(name):
 
 
 def test_first_growth_interval_is_refused_by_name():
-    from ampbridge.cli.demo.tf_keras_runner import run_tf_keras
+    from ampbridge.cli.demo.runners import run_tf_keras
 
     policy = ampbridge.preset("mixed_float16").replace(keep_float32=PINS, loss_scale=LossScaleConfig(
         mode="dynamic", initial_scale=64.0, growth_interval=4, first_growth_interval=5))

@@ -58,11 +58,24 @@ def test_each_extra_installs_what_its_demo_run_imports():
     import tomllib
     from pathlib import Path
 
-    from ampbridge.cli.demo.run import _NEEDS
+    from ampbridge.cli.demo.run import _NEEDS, EXTRAS
 
     extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
         "project"]["optional-dependencies"]
     for framework, modules in _NEEDS.items():
-        names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).replace("-", "_") for r in extras[framework]}
-        assert set(modules) <= names, (framework, modules, extras[framework])
+        names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).replace("-", "_") for r in extras[EXTRAS.get(framework, framework)]}
+        assert set(modules) <= names, (framework, modules, names)
 
+
+
+def test_the_demo_leaves_tf_keras_out_where_it_is_not_installed(monkeypatch, capsys):
+    # tf.keras 2 is optional: without it the demo trains the others (said on stderr) and refuses it by name
+    import importlib.util
+
+    from ampbridge.cli.demo import run as demo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(demo.importlib.util, "find_spec", lambda name, *a: None if name == "tf_keras" else real(name, *a))
+    assert "tf_keras" not in demo.installed_frameworks()
+    assert main(["demo", "--frameworks", "tf_keras"]) == 2
+    assert "not installed here: tf_keras (pip install 'ampbridge[tf-keras]')" in capsys.readouterr().err

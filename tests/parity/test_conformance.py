@@ -1,4 +1,5 @@
 """One policy, three frameworks: the same Plan, the same loss-scale trajectory, the same training.
+tf.keras 2 is a fourth column where ``tf_keras`` is installed (in this process, beside Keras 3).
 
 The demo model (``ampbridge.cli.demo``) is defined in torch, Keras and Flax with the same layer names
 and the same initial weights (one numpy seed), trained with SGD on the same batches. At the steps
@@ -9,6 +10,7 @@ non-finite steps are exactly the injected ones and the loss-scale trajectory is 
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from functools import lru_cache
 
@@ -17,7 +19,7 @@ import pytest
 import ampbridge
 from ampbridge import LossScaleConfig
 from ampbridge.core.loss_scale import applies, enter_phase, initial_state, next_state
-from ampbridge._testing import require
+from ampbridge._testing import require, required
 
 for _name in ("torch", "keras", "jax", "flax", "optax", "jmp", "numpy"):
     require(_name)
@@ -26,6 +28,18 @@ import numpy as np  # noqa: E402
 
 from ampbridge.cli.demo.run import semantic_differences  # noqa: E402
 from ampbridge.cli.demo.runners import FRAMEWORKS, RUNNERS  # noqa: E402
+
+if required("tf_keras"):
+    require("tf_keras")
+TF_KERAS = importlib.util.find_spec("tf_keras") is not None
+#: the cases tf.keras 2 refuses by name (Keras 2's LossScaleOptimizer state has no room for them)
+TF_KERAS_REFUSES = {"first_growth": "first_growth_interval", "max_skips": "max_consecutive_skips"}
+
+
+def columns(case: str) -> tuple[str, ...]:
+    """The frameworks that run ``case``: tf_keras where installed, but not what it refuses."""
+    extra = TF_KERAS and case not in TF_KERAS_REFUSES
+    return FRAMEWORKS + (("tf_keras",) if extra else ())
 
 STEPS = 50
 PINS = ("kind:norm", "kind:embedding")
@@ -137,9 +151,9 @@ CASES = list(POLICIES) + ["schedule"]
 
 @pytest.mark.parametrize("case", CASES)
 def test_plans_are_identical_row_by_row(case):
-    plans = {fw: run(case, fw).plan for fw in FRAMEWORKS}
+    plans = {fw: run(case, fw).plan for fw in columns(case)}
     first, promoted = plans["torch"], run(case, "torch").promoted
-    for fw in ("keras", "jax"):
+    for fw in columns(case)[1:]:
         # the one difference the frameworks' own semantics make: a torch block whose code meets a pinned
         # float32 output carries the promoted stream on (autocast by hand casts nothing at its boundary),
         # where Keras and Flax cast the next layer's inputs; the torch row says so
@@ -161,18 +175,18 @@ def test_loss_scale_trajectory_and_skips_match_the_reference(case):
     # every injected step is skipped, except where max_consecutive_skips applies it
     applied_anyway = {"max_skips": {48, 49}}.get(case, set())
     assert sorted(i for i, s in enumerate(skipped) if s) == sorted(set(inject) - applied_anyway)
-    for fw in FRAMEWORKS:
+    for fw in columns(case):
         r = run(case, fw)
         assert r.scales == scales, fw
         assert r.skipped == skipped, fw
-    finals = {fw: run(case, fw).final_state for fw in FRAMEWORKS}
-    assert finals["torch"] == finals["keras"] == finals["jax"]
+    finals = {fw: run(case, fw).final_state for fw in columns(case)}
+    assert all(final == finals["torch"] for final in finals.values()), finals
     assert finals["torch"].steps == STEPS and finals["torch"].skipped == len(inject) - len(applied_anyway)
 
 
 def test_the_schedule_switches_at_the_same_steps():
     expected = [0] * 10 + [1] * 20 + [2] * 20
-    for fw in FRAMEWORKS:
+    for fw in columns("schedule"):
         assert run("schedule", fw).phases == expected, fw
 
 
@@ -181,17 +195,18 @@ def test_training_losses_agree(case):
     policy, inject = POLICIES[case]
     tolerance = TOLERANCE[policy.compute_dtype]
     truncating = policy.compute_dtype == "bfloat16" and keras_rounds_bfloat16_toward_zero()
-    losses = {fw: np.array(run(case, fw).losses) for fw in FRAMEWORKS}
+    losses = {fw: np.array(run(case, fw).losses) for fw in columns(case)}
     if truncating:
-        losses["keras (TF kernels)"] = losses["keras"]
-        losses["keras"] = np.array(run(case, "keras", jit_compile=True).losses)
+        for fw in {"keras", "tf_keras"} & set(losses):
+            losses[f"{fw} (TF kernels)"] = losses[fw]
+            losses[fw] = np.array(run(case, fw, jit_compile=True).losses)
     finite = np.isfinite(losses["torch"])
     assert finite.sum() == STEPS - len(inject)
     for fw in losses.keys() - {"torch"}:
         assert np.array_equal(np.isfinite(losses[fw]), finite), fw
         rel = np.abs(losses[fw][finite] - losses["torch"][finite]) / np.abs(losses["torch"][finite])
         # truncation errs by up to a whole ulp per rounding, always the same way: twice the bound
-        bound = 2 * tolerance if fw == "keras (TF kernels)" else tolerance
+        bound = 2 * tolerance if fw.endswith("(TF kernels)") else tolerance
         assert rel.max() <= bound, (fw, float(rel.max()))
     # and it really trains: the loss falls well below its starting value
     assert losses["torch"][finite][-1] < 0.5 * losses["torch"][0]
@@ -205,9 +220,18 @@ def test_where_the_frameworks_differ_the_plan_says_why():
     policy = ampbridge.preset("mixed_float16")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plans = {fw: RUNNERS[fw](policy, 1).plan for fw in FRAMEWORKS}
-    for fw in ("keras", "jax"):
+        plans = {fw: RUNNERS[fw](policy, 1).plan for fw in columns("")}
+    for fw in columns("")[1:]:
         for line in plans["torch"].differences(plans[fw]):
             path = line.split(":", 1)[0]
             assert path in plans["torch"] and path in plans[fw], line
             assert plans["torch"][path].note or plans[fw][path].note, line
+
+
+@pytest.mark.parametrize("case", sorted(TF_KERAS_REFUSES))
+def test_tf_keras_refuses_by_name_what_keras2_cannot_hold(case):
+    if not TF_KERAS:
+        pytest.skip("tf_keras is not installed")
+    policy, inject = POLICIES[case]
+    with pytest.raises(ampbridge.UnsupportedOptionError, match=TF_KERAS_REFUSES[case]):
+        RUNNERS["tf_keras"](policy, 2, inject)

@@ -4,6 +4,8 @@ per-layer ``tf_keras.mixed_precision.Policy`` objects, and Keras 2's ``LossScale
 * :func:`plan` / :func:`layers`: the same rows as Keras 3 for the same model;
 * :func:`apply` rebuilds a Functional or Sequential model with each layer's policy and the same
   weights (Keras 2 fixes a layer's dtype when it is made) and returns it;
+* :class:`Monitor` writes the numerics log ``ampbridge report`` reads, as a ``fit`` callback;
+* :class:`PhaseCallback` runs a ``[[phase]]`` schedule during ``fit``;
 * :func:`optimizer` wraps a tf_keras optimizer in ``tf_keras.mixed_precision.LossScaleOptimizer``:
   Keras 2's own algorithm where it runs the policy's settings, ampbridge's reference otherwise.
 
@@ -30,9 +32,13 @@ from .layers import author_dtypes, dtype_policy, kind_and_source, kind_of, layer
 from .loss_scale import keras2_expressible, optimizer, state_of  # noqa: E402
 from .plan import STREAM_REFUSED, plan  # noqa: E402  (plan: static, traced when example inputs are given)
 from .trace import trace  # noqa: E402
+from .monitor import Monitor  # noqa: E402
+from .schedule import PhaseCallback  # noqa: E402
 
 __all__ = [
+    "Monitor",
     "OUTPUT_CAST",
+    "PhaseCallback",
     "STREAM_REFUSED",
     "apply",
     "author_dtypes",

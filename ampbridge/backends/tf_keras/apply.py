@@ -6,7 +6,11 @@ Keras 2 fixes a layer's dtype policy when the layer is made (its variables are `
 only when created under a mixed policy), so a built model cannot change dtypes in place: the public
 way is ``tf_keras.models.clone_model`` with a ``clone_function``, which is what :func:`apply` uses.
 
-Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``OUTPUT_CAST``.
+A ``[[phase]]`` schedule: each layer is made under the policy of a phase that needs
+``AutoCastVariable``s (a mixed one) and switched to the first phase's policy once its variables
+exist; ``PhaseCallback`` (``schedule``) switches them at the phase boundaries.
+
+Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``_made_rows``, ``_switch``, ``OUTPUT_CAST``.
 """
 
 from __future__ import annotations
@@ -111,6 +115,44 @@ def _set_in_place(model: Any, rows: dict[str, PlanRow], by_path: dict[str, Any],
     return model
 
 
+def _made_rows(described: list[Any], policy: Policy, active: dict[str, PlanRow]) -> dict[str, PlanRow]:
+    """For a ``[[phase]]`` schedule, the row each layer is *made* with, so that every phase runs by
+    switching the layer's policy in place (Keras 2 makes ``AutoCastVariable``s only under a mixed
+    policy): the first phase's row computing in another dtype than its parameters, else the active
+    row. Parameter dtypes that differ between phases are refused by name (the variables are made once)."""
+    policies = [phase.policy for phase in policy.phases] + [policy.replace(phases=())]
+    plans = [{r.path: r for r in build_plan(described, p, framework=FRAMEWORK, warn=False)} for p in policies]
+    made = {}
+    for path, row in active.items():
+        rows = [plan_rows[path] for plan_rows in plans]
+        params = sorted({r.param_dtype for r in rows})
+        if len(params) > 1:
+            raise UnsupportedOptionError(
+                f"[[phase]] param_dtype {' / '.join(params)} for layer {path or '(model)'!r}: Keras 2 makes a layer's "
+                "variables once, in one dtype; accepted with tf_keras: one param_dtype per layer over the schedule")
+        made[path] = next((r for r in rows if r.compute_dtype != r.param_dtype), row)
+    return made
+
+
+def _switch(by_path: dict[str, Any], rows: dict[str, PlanRow], *, after_build: bool = False) -> None:
+    """Each layer's policy set to its row's (the phase in force). ``after_build``: a layer not built
+    yet keeps the policy it is made with until its ``build`` has made its variables, then switches."""
+    for path, layer in by_path.items():
+        if path not in rows:
+            continue
+        new = dtype_policy(rows[path].compute_dtype, rows[path].param_dtype, where=path)
+        if after_build and not layer.built and not hasattr(layer.build, "_is_default"):
+            def build(input_shape: Any, _layer: Any = layer, _own: Any = layer.build, _new: Any = new) -> None:
+                _own(input_shape)
+                _layer.__dict__.pop("build", None)  # the class's own again
+                _layer._set_dtype_policy(_new)
+
+            object.__setattr__(layer, "build", build)
+        else:
+            # private: Layer._set_dtype_policy (tf-keras 2.21); its variables' dtype stays what it was made with
+            layer._set_dtype_policy(new)
+
+
 def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     """The model made to run its Plan: each layer with its row's ``tf_keras.mixed_precision.Policy``
     (``keep_float32`` and pins give ``"float32"``), the same weights, outputs in ``output_dtype``.
@@ -148,11 +190,14 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
             raise UnsupportedOptionError(
                 f"output_dtype={row.output_dtype} for layer {row.path!r} (compute {row.compute_dtype}): Keras 2 "
                 "layers return their compute dtype; accepted: output_dtype on the model only")
+    made = _made_rows(described, policy, rows) if policy.phases else rows
     if not built:
-        applied = _set_in_place(model, rows, by_path, policy.output_dtype)
+        applied = _set_in_place(model, made, by_path, policy.output_dtype)
     else:
-        applied = _rebuild(model, rows)
+        applied = _rebuild(model, made)
         _copy_weights(model, applied)
         applied = _cast_outputs(applied, policy.output_dtype)
+    if made is not rows:  # a schedule: the first phase runs, in layers made for every phase
+        _switch(_describe(applied)[1], rows, after_build=not built)
     object.__setattr__(applied, "_ampbridge_policy", policy)
     return applied

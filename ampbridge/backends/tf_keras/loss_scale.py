@@ -147,7 +147,10 @@ def optimizer(inner: Any, policy: Policy | str) -> Any:
             f"reduce_dtype={active.reduce_dtype} with param_dtype={active.param_dtype}: Keras 2 all-reduces "
             "gradients in the variables' dtype; set reduce_dtype to the param_dtype")
     start = initial_state(config)
-    if keras2_expressible(config):
+    # a schedule whose phases change the settings runs on the reference state (PhaseCallback switches them)
+    same = all(phase.policy.resolved_loss_scale == config for phase in policy.phases) and (
+        not policy.phases or policy.replace(phases=()).resolved_loss_scale == config)
+    if keras2_expressible(config) and same:
         return tf_keras.mixed_precision.LossScaleOptimizer(
             inner, dynamic=True, initial_scale=start.scale, dynamic_growth_steps=config.growth_interval)
     opt = tf_keras.mixed_precision.LossScaleOptimizer(

@@ -1,7 +1,8 @@
 """``ampbridge demo [POLICY]``: one policy, trained in every installed framework, side by side.
 
 It trains the demo model (``ampbridge.cli.demo``) with the policy (the shipped ``examples/amp.toml``
-by default) in torch, Keras and Flax, with one injected overflow step, and prints the Plan (one
+by default) in torch, Keras and Flax (and tf.keras 2 where ``tf_keras`` is installed: the same process,
+see ``runners``), with one injected overflow step, and prints the Plan (one
 table when the three agree), the loss-scale trajectory, the skipped steps and the final loss (step
 times are ``make bench``'s: a few tiny steps time nothing). ``--plot FILE.png`` draws loss and loss scale per
 framework. With no framework installed it shows the policy resolved and its Plan for the demo
@@ -24,7 +25,13 @@ from ...core.table import render_table
 from ..common import EXAMPLES, InputError, UsageError, defaults_notes
 
 # what each framework's demo run imports (jmp only for the tests' native jmp run, not here)
-_NEEDS = {"torch": ("torch",), "keras": ("keras",), "jax": ("jax", "flax", "optax")}
+_NEEDS = {"torch": ("torch",), "keras": ("keras",), "jax": ("jax", "flax", "optax"), "tf_keras": ("tf_keras",)}
+#: the pip extra that installs each (where its name is not the framework's)
+EXTRAS = {"tf_keras": "tf-keras"}
+
+
+def _extra(framework: str) -> str:
+    return f"ampbridge[{EXTRAS.get(framework, framework)}]"
 
 
 def installed_frameworks() -> list[str]:
@@ -114,7 +121,7 @@ def plot_runs(runs: dict[str, Any], path: str) -> None:
         raise BackendUnavailableError("--plot needs matplotlib. Install with: pip install 'ampbridge[plot]'") from None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     # the curves coincide when the frameworks agree: distinct styles keep each one visible
-    styles = [("-", 4.0), ("--", 2.5), (":", 2.0)]
+    styles = [("-", 4.0), ("--", 2.5), (":", 2.0), ("-.", 1.5)]
     for (name, r), (style, width) in zip(runs.items(), styles):
         top.plot(range(len(r.losses)), r.losses, label=name, linestyle=style, linewidth=width)
         bottom.plot(range(len(r.scales)), r.scales, label=name, drawstyle="steps-post", linestyle=style,
@@ -146,14 +153,14 @@ def run_demo(args: argparse.Namespace) -> int:
         missing = [f for f in wanted if f in _NEEDS and f not in available]
         if missing:
             raise UsageError(f"--frameworks: not installed here: {', '.join(missing)} "
-                             f"(pip install 'ampbridge[{missing[0]}]')")
+                             f"(pip install '{_extra(missing[0])}')")
         frameworks = [f for f in wanted if f in _NEEDS]
     else:
         frameworks = available
         absent = [fw for fw in _NEEDS if fw not in available]
         if frameworks and absent:  # said, so a shorter table is not mistaken for the whole demo
             print(f"note: not installed here, so not trained: {', '.join(absent)} "
-                  f"(pip install {' '.join(repr(f'ampbridge[{fw}]') for fw in absent)})", file=sys.stderr)
+                  f"(pip install {' '.join(repr(_extra(fw)) for fw in absent)})", file=sys.stderr)
     if args.steps < 4:
         raise UsageError("--steps must be at least 4")
     if args.plot and not frameworks:

@@ -8,6 +8,10 @@ steps), the loss scale each step used, which steps were skipped, the final loss-
 ``native=True`` runs the framework's own AMP instead (no ampbridge; used for timing ratios):
 torch ``autocast`` + ``GradScaler``, Keras's global mixed policy + ``LossScaleOptimizer``, jmp's
 policy + ``DynamicLossScale`` in JAX, each with the policy's compute dtype and no pins.
+
+tf.keras 2 (``tf_keras``) is an optional fourth column (:data:`OPTIONAL`): it runs in the same process
+as Keras 3 (the ``tf_keras`` package needs no ``TF_USE_LEGACY_KERAS``; that only decides what
+``tf.keras`` names, and the runner never uses ``tf.keras``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ...core.policy import Policy
 from .model import CONFIG, batches
 
 FRAMEWORKS = ("torch", "keras", "jax")
+OPTIONAL = ("tf_keras",)  # trained where installed; the conformance suite adds its column then
 Progress = Callable[[int], None]
 
 
@@ -306,4 +311,78 @@ def _run_jmp(policy: Policy, module: Any, variables: Any, data: list, inject: se
     return run
 
 
-RUNNERS = {"torch": run_torch, "keras": run_keras, "jax": run_jax}
+# --- tf.keras 2 ---------------------------------------------------------------------------------------
+
+def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0,
+                 progress: Progress | None = None, jit_compile: bool | None = None) -> Run:
+    """The Keras 3 run in tf.keras 2: the policy applied before the model is built (Keras 2 fixes a
+    layer's dtype when its variables are made); a ``[[phase]]`` schedule runs through ``fit`` with
+    ``PhaseCallback``, as in Keras 3."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+
+    import ampbridge.tf_keras as atk
+
+    from . import tf_keras_model as km
+
+    inject = set(inject)
+    run = Run("tf_keras", None)
+    active = policy.at(step=0, epoch=0) if policy.phases else policy
+    model = km.build(seed, policy=policy)  # a schedule: layers made for every phase, the first one running
+    opt = atk.optimizer(tf_keras.optimizers.SGD(CONFIG.lr), policy)
+    run.plan = atk.plan(model, active, warn=False)
+
+    def loss_fn(targets, logits):
+        return tf_keras.losses.sparse_categorical_crossentropy(targets, tf.cast(logits, "float32"), from_logits=True)
+
+    model.compile(optimizer=opt, loss=loss_fn, jit_compile=jit_compile)
+    head = model.get_layer("head").kernel
+    if policy.phases:
+        _fit_phases(atk.PhaseCallback(policy), model, opt, run, batches(steps), inject, progress)
+    for i, (x, y) in enumerate(batches(steps) if not policy.phases else ()):
+        w = np.full(x.shape, np.inf if i in inject else 1.0, np.float32)  # per token, like the loss
+        used, before = float(opt.loss_scale.numpy()), head.numpy()
+        t0 = time.perf_counter()
+        logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
+        run.step_seconds.append(time.perf_counter() - t0)
+        run.losses.append(math.nan if i in inject else float(logs["loss"]))
+        run.scales.append(used)
+        run.skipped.append(bool(np.array_equal(before, head.numpy())))
+        _tick(progress, i)
+    state = atk.state_of(opt)  # Keras 2's own state holds scale and good steps only: the rest is counted here
+    run.final_state = LossScaleState(state["scale"], int(state["good_steps"]), int(state.get("hysteresis_left", 1)),
+                                     int(state.get("steps", steps)), int(state.get("skipped", sum(run.skipped))))
+    return run
+
+
+def _fit_phases(phase_cb: Any, model: Any, opt: Any, run: Run, data: list, inject: set, progress: Progress | None) -> None:
+    """A schedule through ``fit``: the per-step records from a callback (fit reports running means, not
+    per-step losses)."""
+    import numpy as np
+    import tf_keras
+
+    x = np.concatenate([b[0] for b in data])
+    y = np.concatenate([b[1] for b in data])
+    w = np.ones(x.shape, np.float32)  # per token, like the loss
+    for i in inject:
+        w[i * CONFIG.batch:(i + 1) * CONFIG.batch] = np.inf
+
+    class Record(tf_keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            run.phases.append(phase_cb.phase)
+            run.scales.append(float(opt.loss_scale.numpy()))
+            self.skipped_before = int(opt._loss_scale.skipped.numpy())
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            run.step_seconds.append(time.perf_counter() - self.t0)
+            run.skipped.append(int(opt._loss_scale.skipped.numpy()) > self.skipped_before)
+            run.losses.append(math.nan)
+            _tick(progress, batch)
+
+    model.fit(x, y, sample_weight=w, batch_size=CONFIG.batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[phase_cb, Record()])
+
+
+RUNNERS = {"torch": run_torch, "keras": run_keras, "jax": run_jax, "tf_keras": run_tf_keras}
