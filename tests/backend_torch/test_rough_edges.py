@@ -49,5 +49,5 @@ def test_the_demo_says_which_frameworks_it_leaves_out(monkeypatch, capsys):
     assert main(["demo", "--steps", "4"]) == 0
     out, err = capsys.readouterr()
     assert "training 4 steps in torch;" in out
-    assert "note: not installed here, so not trained: keras, jax (pip install 'ampbridge[keras]' " \
-           "'ampbridge[jax]')" in err
+    assert "note: not installed here, so not trained: keras, jax, tf_keras (pip install 'ampbridge[keras]' " \
+           "'ampbridge[jax]' 'ampbridge[tf-keras]')" in err
