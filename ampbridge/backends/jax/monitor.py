@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ...diagnostics.runlog import RunLogWriter
 
 
-_WHERE = (None, "output", "gradient", "loss", "unreproduced")  # unreproduced: the replay found nothing non-finite
+_WHERE = (None, "output", "gradient", "loss", "unreproduced", "input")  # unreproduced: the replay found nothing non-finite
 _STAT_COUNTS = ("zero", "nonfinite", "underflow", "overflow")
 
 
@@ -105,7 +105,8 @@ class Numerics:
         where = _WHERE[int(self.where)]
         if where is None:
             return None
-        return {"path": "" if where in ("loss", "unreproduced") else self.paths[int(self.origin)], "where": where}
+        return {"path": "" if where in ("loss", "unreproduced", "input") else self.paths[int(self.origin)],
+                "where": where}
 
 
 _F32_ABS = 0x7FFFFFFF
@@ -240,6 +241,32 @@ def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index:
     return where, origin, forward, backward
 
 
+def _boundary_origin(event: tuple[str, int], order: Sequence[str]) -> tuple[str, str]:
+    """(path, where) an event names: a module's output (its inputs were finite, checked when its
+    call began), or a module's inputs, made by the code of the innermost module around it (the
+    model's inputs, or its root's own code: ``("", "input")``)."""
+    path, kind = event
+    if kind == 1:
+        return path, "output"
+    known = set(order)
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        if path and path in known:
+            return path, "output"
+    return "", "input"
+
+
+def _first_boundary(finite: jax.Array, where: jax.Array, origin: jax.Array, flags: list,
+                    named: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
+    """(where, origin) of the first flagged boundary event in forward order, else as given."""
+    n = len(flags)
+    first = jnp.min(jnp.where(jnp.stack(flags), jnp.arange(n, dtype=jnp.int32), n), initial=n)
+    codes = jnp.asarray([w for w, _ in named] + [0], jnp.int32)
+    at = jnp.asarray([o for _, o in named] + [-1], jnp.int32)
+    hit = ~finite & (first < n)
+    return jnp.where(hit, codes[first], where), jnp.where(hit, at[first], origin)
+
+
 def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
              every: int | None = 1, attribution: bool | str = True, sample: bool = True
              ) -> Callable[..., tuple[Any, Any, Numerics | None]]:
@@ -349,18 +376,24 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
                 jax.eval_shape(lambda s: call(nnx.merge(graphdef, s), discovery), state)
             order = list(discovery.seen)
             leaves = _leaves_of(order)
+            # the root's output is the loss function's input: a non-finite one is the loss's business
+            events = [e for e in discovery.events if e != ("", 1)]
+        else:
+            events = []
         probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
+        edges = {path: jnp.zeros((2,), jnp.float32) for path in order}
         ls = loss_scale(opt_state)
 
-        def scaled(p: Any, probes: Any) -> tuple[jax.Array, tuple]:
-            out = call(p, _Watch(owner, probes, inputs=watch_inputs) if watching else None)
+        def scaled(p: Any, both: Any) -> tuple[jax.Array, tuple]:
+            probes, edges = both
+            out = call(p, _Watch(owner, probes, inputs=watch_inputs, edges=edges) if watching else None)
             loss, aux = out if has_aux else (out, None)
             value = scale_loss(loss, opt_state)
             return value, (loss, aux, value)
 
         grad = jax.value_and_grad if key is None else nnx.value_and_grad
-        (_, (loss, aux, value)), (grads, probe_grads) = grad(scaled, argnums=(0, 1), has_aux=True)(
-            target, probes)
+        (_, (loss, aux, value)), (grads, (probe_grads, edge_grads)) = grad(scaled, argnums=(0, 1), has_aux=True)(
+            target, (probes, edges))
         if key is None:
             owned = _owned_leaves(grads)
             known = order or list(model._known)
@@ -411,12 +444,17 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
             counts, magnitudes = jax.lax.cond(sampled, compute_stats, no_stats, None)
 
         # attribution: candidates are the leaf modules (then any other layer owning parameters)
-        paths = tuple(sorted(set(leaves) | set(layers), key=lambda p: (position.get(p, len(position)), p)))
+        named = [_boundary_origin(e, order) for e in events]
+        paths = tuple(sorted(set(leaves) | set(layers) | {p for p, _ in named if p},
+                             key=lambda p: (position.get(p, len(position)), p)))
         index = {p: i for i, p in enumerate(paths)}
         where, origin, out_flags, grad_flags = _attribute(
             finite, ~jnp.isfinite(value), [probe_grads[p] for p in leaves], [index[p] for p in leaves],
             [bad_layer.get(p, jnp.zeros((), bool)) for p in leaves],
             [(index[p], bad_layer[p]) for p in layers if p not in set(leaves)], inputs=watch_inputs)
+        if events:  # the first non-finite forward value, at any module boundary, decides first
+            where, origin = _first_boundary(finite, where, origin, [edge_grads[p][k] > 0 for p, k in events],
+                                            [(_WHERE.index(w), index.get(p, -1)) for p, w in named])
         stats = Numerics(step=ls.steps, loss=jnp.asarray(loss, jnp.float32), loss_scale=ls.scale,
                          found_inf=~finite, skipped=skipped, sampled=sampled, counts=counts,
                          magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
@@ -521,7 +559,11 @@ class Monitor:
             policy = self.plan.policy
             self._writer = RunLogWriter(self.path, framework=FRAMEWORK, compute_dtype=policy.compute_dtype,
                                         layers=layers, policy=_io.policy_to_dict(policy),
-                                        min_scale=policy.resolved_loss_scale.min_scale)
+                                        min_scale=policy.resolved_loss_scale.min_scale,
+                                        # what the policy already pins: report's advice never repeats it
+                                        extra={"pinned": {r.path: r.rule for r in self.plan if r.path
+                                                          and r.rule != "default" and r.compute_dtype
+                                                          == "float32" != policy.compute_dtype}})
         return self._writer
 
     def due(self, step: int) -> bool:

@@ -2,12 +2,14 @@
 traces a model, and the identities whose backward passes report a module's non-finite output or
 gradient through the gradient of a dummy probe. Used by the linen interceptor and the NNX calls.
 
-Holds: _Watch, _WATCH, _watched, _watch, _watch_outputs, _watch_output_gradients, _watch_inputs.
+Holds: _Watch, _WATCH, _watched, _edge, _finished, _watch, _watch_outputs, _watch_output_gradients,
+_watch_inputs, _watch_values.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,11 +23,16 @@ from .loss_scale import _all_finite
 class _Watch:
     """What :func:`numerics` is tracing: module paths seen (discovery) or the probes to place."""
 
-    def __init__(self, owner: Any, probes: Mapping[str, jax.Array] | None = None, *, inputs: bool = True):
+    def __init__(self, owner: Any, probes: Mapping[str, jax.Array] | None = None, *, inputs: bool = True,
+                 edges: Mapping[str, jax.Array] | None = None):
         self.owner = owner  # the linen model's resolver, or the NNX model's key
         self.probes = probes
         self.inputs = inputs  # watch input cotangents (else output cotangents)
+        # every module's forward boundary (containers too): a (2,) probe, [0] its inputs were
+        # non-finite, [1] its output was (a block's own code, e.g. a residual add, shows there)
+        self.edges = edges
         self.seen: dict[str, None] = {}  # call order, each path once
+        self.events: dict[tuple[str, int], None] = {}  # (path, 0) calls start, (path, 1) finish: first call's order
 
 
 _WATCH: "contextvars.ContextVar[_Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
@@ -38,9 +45,25 @@ def _watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
         return None
     if watch.probes is None:
         watch.seen.setdefault(path, None)
+        watch.events.setdefault((path, 0), None)
         return None
     probe = watch.probes.get(path)
     return None if probe is None else (probe, watch.inputs)
+
+
+def _edge(owner: Any, path: str) -> jax.Array | None:
+    """The boundary probe of the module at ``path`` while :func:`numerics` traces this model."""
+    watch = _WATCH.get()
+    if watch is None or watch.owner is not owner or watch.edges is None:
+        return None
+    return watch.edges.get(path)
+
+
+def _finished(owner: Any, path: str) -> None:
+    """Discovery: the module at ``path`` returned (its output's place in the order of events)."""
+    watch = _WATCH.get()
+    if watch is not None and watch.owner is owner and watch.probes is None:
+        watch.events.setdefault((path, 1), None)
 
 
 def _any_nonfinite(xs: Sequence[jax.Array]) -> jax.Array:
@@ -78,6 +101,30 @@ def _watch_inputs(xs: tuple, probe: jax.Array) -> tuple:
 
 
 _watch_inputs.defvjp(lambda xs, probe: (xs, None), lambda _, ct: (ct, _flags(0, _any_nonfinite(ct))))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _watch_values(xs: tuple, probe: jax.Array, slot: int) -> tuple:
+    """Identity whose backward reports, in ``probe``'s gradient at ``slot``, that ``xs`` were non-finite."""
+    return xs
+
+
+def _watch_values_fwd(xs: tuple, probe: jax.Array, slot: int) -> tuple:
+    return xs, _any_nonfinite(xs)
+
+
+def _watch_values_bwd(slot: int, bad: jax.Array, ct: tuple) -> tuple:
+    return ct, jnp.zeros((2,), jnp.float32).at[slot].set(jnp.asarray(bad, jnp.float32))
+
+
+_watch_values.defvjp(_watch_values_fwd, _watch_values_bwd)
+
+
+def _watch_edge(tree: Any, probe: jax.Array | None, slot: int) -> Any:
+    """``tree`` with its float arrays watched at a module boundary (0: inputs, 1: output)."""
+    if probe is None:
+        return tree
+    return _watch(lambda xs, p: _watch_values(xs, p, slot), tree, probe)
 
 
 def _watch(fn: Callable, tree: Any, probe: jax.Array) -> Any:
