@@ -36,8 +36,8 @@ from .layers import (
     _Resolver,
     _row_notes,
 )
-from .watch import (_edge, _finished, _watch, _watch_edge, _watch_inputs, _watch_output_gradients, _watch_outputs,
-                    _watched)
+from .watch import (_edge, _finished, _inputs_bad, _watch, _watch_edge, _watch_inputs, _watch_output_gradients,
+                    _watch_outputs, _watched)
 
 
 def _linen_path(module: Any) -> str:
@@ -234,7 +234,7 @@ class _LinenInterceptor:
         else:
             args, kwargs = _uncast_model_inputs((args, kwargs), self.model_inputs)
         # its inputs as its caller made them (a cast at its entry is its own: seen in its output)
-        args, kwargs = _watch_edge((args, kwargs), edge, 0)
+        inputs_bad = _inputs_bad((args, kwargs), edge)
         key = None
         if self.memo is not None and not outermost and watch is None and edge is None and self.observer is None:
             with _attributes(module, **attrs):
@@ -274,7 +274,7 @@ class _LinenInterceptor:
             self.memo[key] = _Memo(out, _own_param_count(module))
         if watch is not None:
             out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
-        out = _watch_edge(out, edge, 1)
+        out = _watch_edge(out, edge, inputs_bad)
         _finished(self.resolver, path)
         if self.observer is not None:
             own = module.variables.get("params", {}) if module.scope is not None else {}

@@ -3,13 +3,12 @@ traces a model, and the identities whose backward passes report a module's non-f
 gradient through the gradient of a dummy probe. Used by the linen interceptor and the NNX calls.
 
 Holds: _Watch, _WATCH, _watched, _edge, _finished, _watch, _watch_outputs, _watch_output_gradients,
-_watch_inputs, _watch_values.
+_watch_inputs, _watch_values, _inputs_bad, _watch_edge.
 """
 
 from __future__ import annotations
 
 import contextvars
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -103,28 +102,40 @@ def _watch_inputs(xs: tuple, probe: jax.Array) -> tuple:
 _watch_inputs.defvjp(lambda xs, probe: (xs, None), lambda _, ct: (ct, _flags(0, _any_nonfinite(ct))))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _watch_values(xs: tuple, probe: jax.Array, slot: int) -> tuple:
-    """Identity whose backward reports, in ``probe``'s gradient at ``slot``, that ``xs`` were non-finite."""
+@jax.custom_vjp
+def _watch_values(xs: tuple, probe: jax.Array, inputs_bad: jax.Array) -> tuple:
+    """Identity on a module's output whose backward reports, in ``probe``'s gradient, that the
+    module's inputs (``inputs_bad``, found as its call began) and its output were non-finite. Only
+    the output carries it: an identity on each input would split a shared input's gradient sum
+    (float16 rounding), while the output's is one sum before it fans out."""
     return xs
 
 
-def _watch_values_fwd(xs: tuple, probe: jax.Array, slot: int) -> tuple:
-    return xs, _any_nonfinite(xs)
+def _watch_values_fwd(xs: tuple, probe: jax.Array, inputs_bad: jax.Array) -> tuple:
+    return xs, (jnp.stack([inputs_bad, jnp.asarray(_any_nonfinite(xs), jnp.float32)]), inputs_bad)
 
 
-def _watch_values_bwd(slot: int, bad: jax.Array, ct: tuple) -> tuple:
-    return ct, jnp.zeros((2,), jnp.float32).at[slot].set(jnp.asarray(bad, jnp.float32))
+def _watch_values_bwd(res: tuple, ct: tuple) -> tuple:
+    flags, inputs_bad = res
+    return ct, flags, jnp.zeros_like(inputs_bad)
 
 
 _watch_values.defvjp(_watch_values_fwd, _watch_values_bwd)
 
 
-def _watch_edge(tree: Any, probe: jax.Array | None, slot: int) -> Any:
-    """``tree`` with its float arrays watched at a module boundary (0: inputs, 1: output)."""
+def _inputs_bad(tree: Any, probe: jax.Array | None) -> jax.Array | None:
+    """Whether a module's float inputs hold a non-finite value (0./1.), where it has a boundary probe."""
+    if probe is None:
+        return None
+    floats = [x for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x)]
+    return jnp.asarray(_any_nonfinite(floats), jnp.float32) if floats else jnp.zeros((), jnp.float32)
+
+
+def _watch_edge(tree: Any, probe: jax.Array | None, inputs_bad: jax.Array | None) -> Any:
+    """A module's output with its boundary flags attached (see :func:`_watch_values`)."""
     if probe is None:
         return tree
-    return _watch(lambda xs, p: _watch_values(xs, p, slot), tree, probe)
+    return _watch(lambda xs, p: _watch_values(xs, p, jax.lax.stop_gradient(inputs_bad)), tree, probe)
 
 
 def _watch(fn: Callable, tree: Any, probe: jax.Array) -> Any:
