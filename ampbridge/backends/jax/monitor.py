@@ -57,8 +57,10 @@ class Numerics:
     Plan paths the rows stand for), their ``sizes`` (elements) and ``compute_dtypes``; ``paths``
     (leaves and layers, forward order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
 
-    Attribution, on a non-finite step: ``output`` names the first leaf in forward order whose
-    output was non-finite; otherwise a non-finite loss is ``loss``; otherwise ``gradient`` names
+    Attribution, on a non-finite step: ``output`` names where the first non-finite forward value
+    appeared, every module's inputs (as its caller made them) and output checked in call order: a
+    module's output whose inputs were finite, or, for inputs made non-finite by the code around
+    it, the innermost module around it (``input``: the model's inputs or the root's own code); otherwise a non-finite loss is ``loss``; otherwise ``gradient`` names
     the first leaf in backward order (the last in forward order) whose input gradient went
     non-finite, else whose own parameter gradient did, then a non-leaf layer's own parameters;
     ``loss`` when nothing else explains it (the order torch's monitor uses too).

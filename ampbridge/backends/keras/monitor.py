@@ -31,7 +31,7 @@ from .sampling import _FitDispatch
 # * per-layer gradient statistics, found_inf, the scale used: the LossScaleOptimizer, which sees
 #   the scaled gradients in `apply` / `stateless_apply`, computes them in keras.ops inside the
 #   train step and keeps them in two optimizer variables (left out of checkpoints);
-# * the forward flags (the first leaf layer whose output went non-finite, in execution order),
+# * the forward flags (the first non-finite value at a layer's inputs or output, in call order),
 #   the backward flags (TensorFlow and torch: the first leaf, in backward execution order, whose
 #   input gradient went non-finite) and the step's loss: scalar variables that Keras threads
 #   through every backend's train step as non-weight layer state (the slot JAX's stateless
@@ -186,8 +186,10 @@ class Monitor:
 
     How it is computed, on every Keras backend: the optimizer sees the scaled gradients and
     computes the statistics in ``keras.ops`` inside the train step (only on sampled steps); an
-    ampbridge ``call`` wrapper on each leaf layer marks the first non-finite output in execution
-    order, and on TensorFlow and torch the first non-finite input gradient in backward order
+    ampbridge ``call`` wrapper on each layer (containers too) marks the first non-finite forward
+    value, in call order, at a layer's inputs or output (a layer fed non-finite inputs is never
+    named: the code that made them is, or the model's inputs), and on TensorFlow and torch the
+    first non-finite input gradient of a leaf in backward order
     (on JAX the backward pass cannot write state, so the gradient attribution there is the last
     leaf, in forward order, whose own parameter gradients are non-finite); the step's loss comes
     from a wrapper on ``model.compute_loss`` or from :meth:`record`. The host reads it all as
