@@ -144,3 +144,64 @@ def test_a_cast_at_a_modules_entry_is_the_modules_own(tmp_path):
     params = amp.init(jax.random.key(0), x)["params"]
     log = _run(amp, policy, params, x, tmp_path / "run.jsonl", steps=1)
     assert log.steps[0]["first_nonfinite"] == {"path": "layers_2", "where": "output"}
+
+
+def test_nnx_names_the_block_where_the_value_first_went_nonfinite(tmp_path):
+    """The same residual model in NNX: the block's own skip projection (its parameter, cast to
+    float16 with the block) overflows; the blocks record their sublayers' inputs and outputs."""
+    nnx = require("flax.nnx")
+    seen = []
+
+    class NBlock(nnx.Module):
+        def __init__(self, name, scale, rngs):
+            self.name = name
+            self.norm = nnx.LayerNorm(D, rngs=rngs)
+            self.fc = nnx.Linear(D, D, rngs=rngs)
+            self.skip = nnx.Param(scale * jnp.eye(D))
+
+        def __call__(self, x):
+            h = self.norm(x)
+            y = self.fc(h)
+            out = x @ self.skip[...] + y
+            if not isinstance(out, jax.core.Tracer):
+                seen.extend([(self.name + ".norm", _finite(x), _finite(h)), (self.name + ".fc", _finite(h), _finite(y)),
+                             (self.name, _finite(x), _finite(out))])
+            return out
+
+    class NEncoder(nnx.Module):
+        def __init__(self, rngs):
+            self.b0 = NBlock("encoder.b0", 100.0, rngs)
+            self.b1 = NBlock("encoder.b1", 1.0, rngs)
+
+        def __call__(self, x):
+            return self.b1(self.b0(x))
+
+    class NNet(nnx.Module):
+        def __init__(self, rngs):
+            self.encoder = NEncoder(rngs)
+            self.head = nnx.Linear(D, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.encoder(x))
+
+    policy = ampbridge.preset("mixed_float16").replace(keep_float32=("kind:norm",))
+    model = aj.apply(NNet(nnx.Rngs(0)), policy)
+    x = np.ones((2, 3, D), np.float32)
+    x[0, 1] = 1000.0
+    model(x)
+    assert next(p for p, finite_in, finite_out in seen if finite_in and not finite_out) == "encoder.b0"
+    assert ("encoder.b1.norm", False, False) in seen
+    opt = nnx.Optimizer(model, aj.optimizer(optax.sgd(1e-3), policy), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        loss_fn = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+        _, grads, stats = aj.numerics(model, loss_fn, opt)(model)
+        opt.update(model, grads)
+        return stats
+
+    with aj.Monitor(tmp_path / "run.jsonl", model) as monitor:
+        monitor.record(None, step(model, opt))
+    log = read_log(tmp_path / "run.jsonl")
+    assert log.steps[0]["first_nonfinite"] == {"path": "encoder.b0", "where": "output"}
+    assert log.header["pinned"] == {"encoder.b0.norm": "keep_float32[0]", "encoder.b1.norm": "keep_float32[0]"}
