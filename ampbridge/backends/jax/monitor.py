@@ -28,7 +28,7 @@ from .loss_scale import (_F32_INF_BITS, _advance, _all_finite, _f32_bits, _unsca
                          value_and_grad)
 from .nnx import _nnx_key, _nnx_path
 from .sampling import _restore, _scale_state, _snapshot, _Window
-from .watch import _WATCH, _Watch
+from .watch import _WATCH, _Watch, _boundary_origin, _first_boundary
 
 if TYPE_CHECKING:
     from ...diagnostics.runlog import RunLogWriter
@@ -241,32 +241,6 @@ def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index:
     origin = jnp.where(where == 1, paths_of[first_output], jnp.where(
         where == 2, jnp.where(by_gradient >= 0, paths_of[by_gradient], by_params), i32(-1)))
     return where, origin, forward, backward
-
-
-def _boundary_origin(event: tuple[str, int], order: Sequence[str]) -> tuple[str, str]:
-    """(path, where) an event names: a module's output (its inputs were finite, checked when its
-    call began), or a module's inputs, made by the code of the innermost module around it (the
-    model's inputs, or its root's own code: ``("", "input")``)."""
-    path, kind = event
-    if kind == 1:
-        return path, "output"
-    known = set(order)
-    while path:
-        path = path.rsplit(".", 1)[0] if "." in path else ""
-        if path and path in known:
-            return path, "output"
-    return "", "input"
-
-
-def _first_boundary(finite: jax.Array, where: jax.Array, origin: jax.Array, flags: list,
-                    named: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
-    """(where, origin) of the first flagged boundary event in forward order, else as given."""
-    n = len(flags)
-    first = jnp.min(jnp.where(jnp.stack(flags), jnp.arange(n, dtype=jnp.int32), n), initial=n)
-    codes = jnp.asarray([w for w, _ in named] + [0], jnp.int32)
-    at = jnp.asarray([o for _, o in named] + [-1], jnp.int32)
-    hit = ~finite & (first < n)
-    return jnp.where(hit, codes[first], where), jnp.where(hit, at[first], origin)
 
 
 def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,

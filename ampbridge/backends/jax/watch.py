@@ -3,7 +3,7 @@ traces a model, and the identities whose backward passes report a module's non-f
 gradient through the gradient of a dummy probe. Used by the linen interceptor and the NNX calls.
 
 Holds: _Watch, _WATCH, _watched, _edge, _finished, _watch, _watch_outputs, _watch_output_gradients,
-_watch_inputs, _watch_values, _inputs_bad, _watch_edge.
+_watch_inputs, _watch_values, _inputs_bad, _watch_edge, _boundary_origin, _first_boundary.
 """
 
 from __future__ import annotations
@@ -146,3 +146,29 @@ def _watch(fn: Callable, tree: Any, probe: jax.Array) -> Any:
     for i, x in zip(picked, fn(tuple(leaves[i] for i in picked), probe)):
         leaves[i] = x
     return treedef.unflatten(leaves)
+
+
+def _boundary_origin(event: tuple[str, int], order: Sequence[str]) -> tuple[str, str]:
+    """(path, where) an event names: a module's output (its inputs were finite, checked when its
+    call began), or a module's inputs, made by the code of the innermost module around it (the
+    model's inputs, or its root's own code: ``("", "input")``)."""
+    path, kind = event
+    if kind == 1:
+        return path, "output"
+    known = set(order)
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        if path and path in known:
+            return path, "output"
+    return "", "input"
+
+
+def _first_boundary(finite: jax.Array, where: jax.Array, origin: jax.Array, flags: list,
+                    named: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
+    """(where, origin) of the first flagged boundary event in forward order, else as given."""
+    n = len(flags)
+    first = jnp.min(jnp.where(jnp.stack(flags), jnp.arange(n, dtype=jnp.int32), n), initial=n)
+    codes = jnp.asarray([w for w, _ in named] + [0], jnp.int32)
+    at = jnp.asarray([o for _, o in named] + [-1], jnp.int32)
+    hit = ~finite & (first < n)
+    return jnp.where(hit, codes[first], where), jnp.where(hit, at[first], origin)
