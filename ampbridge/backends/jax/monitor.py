@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ...diagnostics.runlog import RunLogWriter
 
 
-_WHERE = (None, "output", "gradient", "loss", "unreproduced", "input")  # unreproduced: the replay found nothing non-finite
+_WHERE = (None, "output", "gradient", "loss", "unreproduced", "input")  # unreproduced: the replay saw nothing non-finite
 _STAT_COUNTS = ("zero", "nonfinite", "underflow", "overflow")
 
 
@@ -53,9 +53,9 @@ class Numerics:
     finite unscaled gradients), ``output_nonfinite`` / ``gradient_nonfinite`` (one flag per leaf
     module: its forward output; the gradient with respect to its inputs, or its outputs when
     ``watched == "outputs"``), and the attribution ``where`` (0 none, 1 output, 2 gradient,
-    3 loss) with ``origin`` (an index into ``paths``). Static: ``layers`` (the parameter-owning
-    Plan paths the rows stand for), their ``sizes`` (elements) and ``compute_dtypes``; ``paths``
-    (leaves and layers, forward order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
+    3 loss, 4 unreproduced, 5 input) with ``origin`` (an index into ``paths``). Static: ``layers``
+    (the parameter-owning Plan paths the rows stand for), their ``sizes`` (elements) and ``compute_dtypes``; ``paths``
+    (leaves, layers and the containers attribution can name, forward order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
 
     Attribution, on a non-finite step: ``output`` names where the first non-finite forward value
     appeared, every module's inputs (as its caller made them) and output checked in call order: a
