@@ -54,8 +54,9 @@ class Numerics:
     module: its forward output; the gradient with respect to its inputs, or its outputs when
     ``watched == "outputs"``), and the attribution ``where`` (0 none, 1 output, 2 gradient,
     3 loss, 4 unreproduced, 5 input) with ``origin`` (an index into ``paths``). Static: ``layers``
-    (the parameter-owning Plan paths the rows stand for), their ``sizes`` (elements) and ``compute_dtypes``; ``paths``
-    (leaves, layers and the containers attribution can name, forward order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
+    (the parameter-owning Plan paths the rows stand for), their ``sizes`` (elements) and
+    ``compute_dtypes``; ``paths`` (leaves, layers and the containers attribution can name, forward
+    order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
 
     Attribution, on a non-finite step: ``output`` names where the first non-finite forward value
     appeared, every module's inputs (as its caller made them) and output checked in call order: a
