@@ -36,7 +36,8 @@ from .layers import (
     _Resolver,
     _row_notes,
 )
-from .watch import _watch, _watch_inputs, _watch_output_gradients, _watch_outputs, _watched
+from .watch import (_edge, _finished, _inputs_bad, _watch, _watch_edge, _watch_inputs, _watch_output_gradients,
+                    _watch_outputs, _watched)
 
 
 def _linen_path(module: Any) -> str:
@@ -225,14 +226,17 @@ class _LinenInterceptor:
         row = self.resolver.row(chain)
         compute = _DTYPES[row.compute_dtype]
         watch = _watched(self.resolver, path)
+        edge = _edge(self.resolver, path)
         attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
         outermost = self.depth == 0
         if outermost:
             self.model_inputs = {}
         else:
             args, kwargs = _uncast_model_inputs((args, kwargs), self.model_inputs, compute)
+        # its inputs as its caller made them (a cast at its entry is its own: seen in its output)
+        inputs_bad = _inputs_bad((args, kwargs), edge)
         key = None
-        if self.memo is not None and not outermost and watch is None and self.observer is None:
+        if self.memo is not None and not outermost and watch is None and edge is None and self.observer is None:
             with _attributes(module, **attrs):
                 key = _call_key(module, context.method_name, args, kwargs, row)
             if key is not None and (self.top_trace is None or _trace_state() != self.top_trace):
@@ -270,6 +274,8 @@ class _LinenInterceptor:
             self.memo[key] = _Memo(out, _own_param_count(module))
         if watch is not None:
             out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
+        out = _watch_edge(out, edge, inputs_bad)
+        _finished(self.resolver, path)
         if self.observer is not None:
             own = module.variables.get("params", {}) if module.scope is not None else {}
             params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}

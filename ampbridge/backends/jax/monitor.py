@@ -28,13 +28,13 @@ from .loss_scale import (_F32_INF_BITS, _advance, _all_finite, _f32_bits, _unsca
                          value_and_grad)
 from .nnx import _nnx_key, _nnx_path
 from .sampling import _restore, _scale_state, _snapshot, _Window
-from .watch import _WATCH, _Watch
+from .watch import _WATCH, _Watch, _boundary_origin, _first_boundary
 
 if TYPE_CHECKING:
     from ...diagnostics.runlog import RunLogWriter
 
 
-_WHERE = (None, "output", "gradient", "loss", "unreproduced")  # unreproduced: the replay found nothing non-finite
+_WHERE = (None, "output", "gradient", "loss", "unreproduced", "input")  # unreproduced: the replay saw nothing non-finite
 _STAT_COUNTS = ("zero", "nonfinite", "underflow", "overflow")
 
 
@@ -53,12 +53,15 @@ class Numerics:
     finite unscaled gradients), ``output_nonfinite`` / ``gradient_nonfinite`` (one flag per leaf
     module: its forward output; the gradient with respect to its inputs, or its outputs when
     ``watched == "outputs"``), and the attribution ``where`` (0 none, 1 output, 2 gradient,
-    3 loss) with ``origin`` (an index into ``paths``). Static: ``layers`` (the parameter-owning
-    Plan paths the rows stand for), their ``sizes`` (elements) and ``compute_dtypes``; ``paths``
-    (leaves and layers, forward order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
+    3 loss, 4 unreproduced, 5 input) with ``origin`` (an index into ``paths``). Static: ``layers``
+    (the parameter-owning Plan paths the rows stand for), their ``sizes`` (elements) and
+    ``compute_dtypes``; ``paths`` (leaves, layers and the containers attribution can name, forward
+    order), ``leaves``, ``watched`` (``"inputs"``, ``"outputs"``, ``"none"``).
 
-    Attribution, on a non-finite step: ``output`` names the first leaf in forward order whose
-    output was non-finite; otherwise a non-finite loss is ``loss``; otherwise ``gradient`` names
+    Attribution, on a non-finite step: ``output`` names where the first non-finite forward value
+    appeared, every module's inputs (as its caller made them) and output checked in call order: a
+    module's output whose inputs were finite, or, for inputs made non-finite by the code around
+    it, the innermost module around it (``input``: the model's inputs or the root's own code); otherwise a non-finite loss is ``loss``; otherwise ``gradient`` names
     the first leaf in backward order (the last in forward order) whose input gradient went
     non-finite, else whose own parameter gradient did, then a non-leaf layer's own parameters;
     ``loss`` when nothing else explains it (the order torch's monitor uses too).
@@ -105,7 +108,8 @@ class Numerics:
         where = _WHERE[int(self.where)]
         if where is None:
             return None
-        return {"path": "" if where in ("loss", "unreproduced") else self.paths[int(self.origin)], "where": where}
+        return {"path": "" if where in ("loss", "unreproduced", "input") else self.paths[int(self.origin)],
+                "where": where}
 
 
 _F32_ABS = 0x7FFFFFFF
@@ -349,18 +353,24 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
                 jax.eval_shape(lambda s: call(nnx.merge(graphdef, s), discovery), state)
             order = list(discovery.seen)
             leaves = _leaves_of(order)
+            # the root's output is the loss function's input: a non-finite one is the loss's business
+            events = [e for e in discovery.events if e != ("", 1)]
+        else:
+            events = []
         probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
+        edges = {path: jnp.zeros((2,), jnp.float32) for path in order}
         ls = loss_scale(opt_state)
 
-        def scaled(p: Any, probes: Any) -> tuple[jax.Array, tuple]:
-            out = call(p, _Watch(owner, probes, inputs=watch_inputs) if watching else None)
+        def scaled(p: Any, both: Any) -> tuple[jax.Array, tuple]:
+            probes, edges = both
+            out = call(p, _Watch(owner, probes, inputs=watch_inputs, edges=edges) if watching else None)
             loss, aux = out if has_aux else (out, None)
             value = scale_loss(loss, opt_state)
             return value, (loss, aux, value)
 
         grad = jax.value_and_grad if key is None else nnx.value_and_grad
-        (_, (loss, aux, value)), (grads, probe_grads) = grad(scaled, argnums=(0, 1), has_aux=True)(
-            target, probes)
+        (_, (loss, aux, value)), (grads, (probe_grads, edge_grads)) = grad(scaled, argnums=(0, 1), has_aux=True)(
+            target, (probes, edges))
         if key is None:
             owned = _owned_leaves(grads)
             known = order or list(model._known)
@@ -411,12 +421,17 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
             counts, magnitudes = jax.lax.cond(sampled, compute_stats, no_stats, None)
 
         # attribution: candidates are the leaf modules (then any other layer owning parameters)
-        paths = tuple(sorted(set(leaves) | set(layers), key=lambda p: (position.get(p, len(position)), p)))
+        named = [_boundary_origin(e, order) for e in events]
+        paths = tuple(sorted(set(leaves) | set(layers) | {p for p, _ in named if p},
+                             key=lambda p: (position.get(p, len(position)), p)))
         index = {p: i for i, p in enumerate(paths)}
         where, origin, out_flags, grad_flags = _attribute(
             finite, ~jnp.isfinite(value), [probe_grads[p] for p in leaves], [index[p] for p in leaves],
             [bad_layer.get(p, jnp.zeros((), bool)) for p in leaves],
             [(index[p], bad_layer[p]) for p in layers if p not in set(leaves)], inputs=watch_inputs)
+        if events:  # the first non-finite forward value, at any module boundary, decides first
+            where, origin = _first_boundary(finite, where, origin, [edge_grads[p][k] > 0 for p, k in events],
+                                            [(_WHERE.index(w), index.get(p, -1)) for p, w in named])
         stats = Numerics(step=ls.steps, loss=jnp.asarray(loss, jnp.float32), loss_scale=ls.scale,
                          found_inf=~finite, skipped=skipped, sampled=sampled, counts=counts,
                          magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
@@ -521,7 +536,11 @@ class Monitor:
             policy = self.plan.policy
             self._writer = RunLogWriter(self.path, framework=FRAMEWORK, compute_dtype=policy.compute_dtype,
                                         layers=layers, policy=_io.policy_to_dict(policy),
-                                        min_scale=policy.resolved_loss_scale.min_scale)
+                                        min_scale=policy.resolved_loss_scale.min_scale,
+                                        # what the policy already pins: report's advice never repeats it
+                                        extra={"pinned": {r.path: r.rule for r in self.plan if r.path
+                                                          and r.rule != "default" and r.compute_dtype
+                                                          == "float32" != policy.compute_dtype}})
         return self._writer
 
     def due(self, step: int) -> bool:

@@ -32,7 +32,8 @@ from .layers import (
     _kind_and_source,
     _row_notes,
 )
-from .watch import _watch, _watch_inputs, _watch_output_gradients, _watch_outputs, _watched
+from .watch import (_edge, _finished, _inputs_bad, _watch, _watch_edge, _watch_inputs, _watch_output_gradients,
+                    _watch_outputs, _watched)
 
 
 def _nnx_path(parts: Sequence[Any]) -> str:
@@ -229,12 +230,16 @@ def _wrap_method(name: str, original: Callable) -> Callable:
         compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
         compute = _DTYPES[compute_name]
         outermost = not active
+        # its inputs as its caller made them (a cast at its entry is its own: seen in its output)
+        edge = _edge(key, path) if id(self) not in active else None
         if outermost:
             _ACTIVE.model_inputs = {}
+            inputs_bad = _inputs_bad((args, kwargs), edge)
             args, kwargs = _cast_model_inputs((args, kwargs), compute, _ACTIVE.model_inputs)
         else:
-            args, kwargs = _cast_tree(_uncast_model_inputs((args, kwargs), getattr(_ACTIVE, "model_inputs", {}),
-                                                           compute), compute)
+            args, kwargs = _uncast_model_inputs((args, kwargs), getattr(_ACTIVE, "model_inputs", {}), compute)
+            inputs_bad = _inputs_bad((args, kwargs), edge)
+            args, kwargs = _cast_tree((args, kwargs), compute)
         if id(self) in active:  # one of its own methods calling another: parameters already cast
             out = _cast_tree(original(self, *args, **kwargs), _DTYPES[output_name])
             return out if final_name is None else _cast_tree(out, _DTYPES[final_name])
@@ -264,6 +269,8 @@ def _wrap_method(name: str, original: Callable) -> Callable:
             out = _cast_tree(out, _DTYPES[final_name])
         if watch is not None:
             out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
+        out = _watch_edge(out, edge, inputs_bad)
+        _finished(key, path)
         return out
 
     method.__name__ = name

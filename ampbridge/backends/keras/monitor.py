@@ -19,7 +19,7 @@ from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refresh_compiled
 from .environment import _backend, _phase0
-from .layers import _children, walk
+from .layers import _children, _code_caller, walk
 from .loss_scale import LossScaleOptimizer, _model_of, _replicas
 from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec, all_finite
 from .plan import plan
@@ -31,7 +31,7 @@ from .sampling import _FitDispatch
 # * per-layer gradient statistics, found_inf, the scale used: the LossScaleOptimizer, which sees
 #   the scaled gradients in `apply` / `stateless_apply`, computes them in keras.ops inside the
 #   train step and keeps them in two optimizer variables (left out of checkpoints);
-# * the forward flags (the first leaf layer whose output went non-finite, in execution order),
+# * the forward flags (the first non-finite value at a layer's inputs or output, in call order),
 #   the backward flags (TensorFlow and torch: the first leaf, in backward execution order, whose
 #   input gradient went non-finite) and the step's loss: scalar variables that Keras threads
 #   through every backend's train step as non-weight layer state (the slot JAX's stateless
@@ -40,6 +40,12 @@ from .sampling import _FitDispatch
 # The host reads all of it once per step, as one array (one transfer).
 
 _SLOT_NAMES = ("forward", "backward", "loss", "loss_seen")  # the model-side values, in record order
+
+
+def _pinned(rows: Any, compute_dtype: str) -> dict[str, str]:
+    """The layers a rule keeps in float32 while the policy computes in another dtype, by rule."""
+    return {r.path: r.rule for r in rows if r.path and r.rule != "default"
+            and r.compute_dtype == "float32" != compute_dtype}
 
 
 class _Slot:
@@ -104,27 +110,48 @@ def _input_probe(t: Any, slot: _Slot, index: int) -> Any:
     return t
 
 
-class _LeafProbe:
-    """A leaf layer's hooks: mark the first non-finite output (forward) and input gradient."""
+def _event(index: int, output: bool) -> int:
+    """The forward slot's code for a layer's inputs (even) or output (odd); the root's index is -1."""
+    return 2 * (index + 1) + int(output)
+
+
+def _live_floats(tree: Any) -> list[Any]:
+    floats = [t for t in keras.tree.flatten(tree) if _is_float(t)]
+    return floats if floats and _live(floats) else []
+
+
+class _BoundaryProbe:
+    """A container's (a block's) hooks: in the order calls start and finish, the first non-finite
+    forward value is marked: its inputs (made by the code around it) or its output (its own code:
+    a residual add, a learned skip projection, a cast)."""
 
     def __init__(self, monitor: "Monitor", index: int):
         self.monitor, self.index = monitor, index
 
     def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        floats = _live_floats((args, kwargs))
+        if floats:
+            _mark_first(self.monitor._slots["forward"], _any_nonfinite(floats), _event(self.index, False))
+        return args, kwargs
+
+    def after(self, out: Any) -> None:
+        floats = _live_floats(out)
+        if floats:
+            _mark_first(self.monitor._slots["forward"], _any_nonfinite(floats), _event(self.index, True))
+
+
+class _LeafProbe(_BoundaryProbe):
+    """A leaf layer's hooks: a boundary's, and the first non-finite input gradient."""
+
+    def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = super().before(args, kwargs)
         if _backend() == "jax":  # JAX's backward cannot write state: parameter gradients decide there
             return args, kwargs
-        floats = [t for t in keras.tree.flatten((args, kwargs)) if _is_float(t)]
-        if not floats or not _live(floats):
+        if not _live_floats((args, kwargs)):
             return args, kwargs
         slot = self.monitor._slots["backward"]
         return keras.tree.map_structure(lambda t: _input_probe(t, slot, self.index) if _is_float(t) else t,
                                         (args, kwargs))
-
-    def after(self, out: Any) -> None:
-        floats = [t for t in keras.tree.flatten(out) if _is_float(t)]
-        if not floats or not _live(floats):
-            return
-        _mark_first(self.monitor._slots["forward"], _any_nonfinite(floats), self.index)
 
 
 class _RootProbe:
@@ -138,6 +165,9 @@ class _RootProbe:
         if tensors and _live(tensors):
             for name, value in (("forward", -1.0), ("backward", -1.0), ("loss_seen", 0.0)):
                 self.monitor._slots[name].state.assign(np.float32(value))
+            floats = _live_floats((args, kwargs)) if self.monitor.attribution else []
+            if floats:  # the model's inputs: the first forward values
+                _mark_first(self.monitor._slots["forward"], _any_nonfinite(floats), _event(-1, False))
         return args, kwargs
 
     def after(self, out: Any) -> None:
@@ -156,8 +186,10 @@ class Monitor:
 
     How it is computed, on every Keras backend: the optimizer sees the scaled gradients and
     computes the statistics in ``keras.ops`` inside the train step (only on sampled steps); an
-    ampbridge ``call`` wrapper on each leaf layer marks the first non-finite output in execution
-    order, and on TensorFlow and torch the first non-finite input gradient in backward order
+    ampbridge ``call`` wrapper on each layer (containers too) marks the first non-finite forward
+    value, in call order, at a layer's inputs or output (a layer fed non-finite inputs is never
+    named: the code that made them is, or the model's inputs), and on TensorFlow and torch the
+    first non-finite input gradient of a leaf in backward order
     (on JAX the backward pass cannot write state, so the gradient attribution there is the last
     leaf, in forward order, whose own parameter gradients are non-finite); the step's loss comes
     from a wrapper on ``model.compute_loss`` or from :meth:`record`. The host reads it all as
@@ -215,6 +247,7 @@ class Monitor:
         self._positions: tuple[list[int], list[int]] | None = None
         self._next_step: int | None = None
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps read, the first and last step number (the closing record)
+        self._by_path: dict[str, Any] = {}
         self._probed: list[tuple[Any, Any]] = []  # (call wrapper, its probe): switched off on unsampled fit steps
         self._quiet = False  # True while an unsampled fit step runs (or traces): compute_loss records nothing
         self.attach()
@@ -263,13 +296,16 @@ class Monitor:
                                         compute_dtype=policy.compute_dtype, layers=self.layers,
                                         policy=policy_to_dict(policy),
                                         min_scale=self.optimizer.loss_scale_config.min_scale,
-                                        extra={"every": self.every, "attribution": self.attribution})
+                                        extra={"every": self.every, "attribution": self.attribution,
+                                               # what the policy already pins: report's advice never repeats it
+                                               "pinned": _pinned(plan(self.model, policy, warn=False),
+                                                                 policy.compute_dtype)})
 
     def _refresh(self, host_step: int | None = None) -> None:
         """(Re)build the probes and the optimizer's layout from the model's current Plan (also after
         :func:`apply` changes the policy, e.g. at a phase boundary)."""
         rows = plan(self.model, self._policy(), warn=False)
-        by_path = dict(walk(self.model))
+        by_path = self._by_path = dict(walk(self.model))
         self.layers = [row.path for row in rows if row.path]
         index = {path: i for i, path in enumerate(self.layers)}
         stats, leaf_of = [], {}
@@ -282,7 +318,9 @@ class Monitor:
                 stats.append((row.path, row.compute_dtype, tuple(id(v) for v in own)))
             if leaf:
                 leaf_of.update({id(v): index[row.path] for v in own})
-            probe: Any = _LeafProbe(self, index[row.path]) if leaf and self.attribution else None
+            probe: Any = None
+            if row.path and self.attribution:  # containers too: a value can go non-finite in a block's own code
+                probe = (_LeafProbe if leaf else _BoundaryProbe)(self, index[row.path])
             if row.path == "":
                 probe = _RootProbe(self)
             if probe is not None:
@@ -336,7 +374,7 @@ class Monitor:
             self.model.jax_state_sync()  # the traced state holds the slots: put it back first
         for _, layer in walk(self.model):
             wrapper = layer.__dict__.get(_WRAPPER)
-            if wrapper is not None and isinstance(wrapper.probe, (_LeafProbe, _RootProbe)):
+            if wrapper is not None and isinstance(wrapper.probe, (_BoundaryProbe, _RootProbe)):
                 wrapper.probe = None
                 _drop_idle_wrapper(layer)
         for slot in self._slots.values():
@@ -385,6 +423,23 @@ class Monitor:
         else:
             slots = [self._slots[n].state.value for n in _SLOT_NAMES]
         return head, stats, slots
+
+    def _forward_origin(self, event: int) -> dict[str, str]:
+        """Where the first non-finite forward value came from: the model's inputs, a layer's output
+        (its inputs were finite: they were checked when its call began), or a layer's inputs. Keras
+        casts a layer's inputs before its ``call`` runs, so inputs seen non-finite there were made
+        by the code that called it (a subclassed container's own code, or its cast of what it
+        passes) or, where a graph (Functional, Sequential) called it, whose values are other
+        layers' checked outputs, by the layer's own input cast (a pinned layer's float32 output
+        beyond float16's range): the layer is named."""
+        index, output = event // 2 - 1, event % 2 == 1
+        if index < 0:
+            return {"path": "", "where": "input"}
+        path = self.layers[index]
+        if output:
+            return {"path": path, "where": "output"}
+        caller = _code_caller(path, self._by_path)
+        return {"path": caller if caller is not None else path, "where": "output"}
 
     def record(self, loss: Any = None, *, non_trainable_variables: Any = None,
                optimizer_variables: Any = None) -> dict[str, Any] | None:
@@ -444,7 +499,7 @@ class Monitor:
         if found_inf and self.attribution:
             loss_bad = step_loss is not None and not np.isfinite(step_loss)
             if forward >= 0:
-                first = {"path": self.layers[int(forward)], "where": "output"}
+                first = self._forward_origin(int(forward))
             elif loss_bad:
                 first = {"path": "", "where": "loss"}
             elif backward >= 0:
