@@ -31,6 +31,7 @@ from .sampling import _restore, _scale_state, _snapshot, _Window
 from .watch import _WATCH, _Watch
 
 if TYPE_CHECKING:
+    from ...core.policy import Policy
     from ...diagnostics.runlog import RunLogWriter
 
 
@@ -304,31 +305,14 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
         ['grad_max_abs', 'grad_rms', 'nonfinite', 'overflow', 'underflow', 'zero']
     """
     nnx = sys.modules.get("flax.nnx")
-    key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
-    if isinstance(model, Applied):
-        owner, policy = model._resolver, model.policy
-    elif key is not None:
-        owner, policy = key, key.plan.policy
-    else:
-        raise TypeError("ampbridge.jax.numerics needs the model ampbridge.jax.apply returned (the Applied "
-                        f"linen model, or the NNX copy); received {type(model).__name__}")
-    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
-                         "or None (no per-layer statistics)")
-    if attribution not in (True, False, None, "inputs", "outputs"):
-        raise ValueError(f"ampbridge.jax.numerics: attribution={attribution!r}; accepted: True (= 'inputs'), "
-                         "'outputs', False")
-    if not isinstance(sample, bool):
-        raise ValueError(f"ampbridge.jax.numerics: sample={sample!r}; accepted: True or False (a static "
-                         "Python bool: False is the step without a monitor)")
+    key, owner, policy = _numerics_target(model)
+    _check_numerics_arguments(every, attribution, sample)
     if not sample:  # the program without a monitor, op for op
         plain = value_and_grad(loss_fn, opt_state, has_aux=has_aux)
         return lambda *args: (*plain(*args), None)
     watching = bool(attribution)
     watch_inputs = attribution in (True, "inputs")
     cfg = policy.resolved_loss_scale
-    scaled_mode = cfg.mode in ("dynamic", "static")
-    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
 
     def run(target: Any, *args: Any) -> tuple[Any, Any, Numerics]:
         def call(p: Any, watch: _Watch | None) -> Any:
@@ -338,17 +322,8 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
             finally:
                 _WATCH.reset(token)
 
-        order: list[str] = []
-        leaves: list[str] = []
-        if watching:
-            discovery = _Watch(owner)
-            if key is None:
-                jax.eval_shape(lambda p: call(p, discovery), target)
-            else:  # on a throwaway copy: the model's own state is left alone
-                graphdef, state = nnx.split(target)
-                jax.eval_shape(lambda s: call(nnx.merge(graphdef, s), discovery), state)
-            order = list(discovery.seen)
-            leaves = _leaves_of(order)
+        order = _forward_order(call, target, owner, key) if watching else []
+        leaves = _leaves_of(order) if watching else []
         probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
         ls = loss_scale(opt_state)
 
@@ -361,54 +336,12 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
         grad = jax.value_and_grad if key is None else nnx.value_and_grad
         (_, (loss, aux, value)), (grads, probe_grads) = grad(scaled, argnums=(0, 1), has_aux=True)(
             target, probes)
-        if key is None:
-            owned = _owned_leaves(grads)
-            known = order or list(model._known)
-        else:
-            owned = {}
-            for keypath, var in nnx.to_flat_state(grads):
-                g = var.get_value() if hasattr(var, "get_value") else var.value
-                if jnp.issubdtype(jnp.result_type(g), jnp.floating):
-                    path = _nnx_path(keypath)
-                    owned.setdefault(key.owners.get(path, _nnx_path(keypath[:-1])), []).append(g)
-            known = order or [r.path for r in key.plan]
-        position = {p: i for i, p in enumerate(known)}
-        layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
-        owned = {p: owned[p] for p in layers}
-        if key is None:
-            rows = model._rows_for_paths(layers)
-            compute = {p: rows[p].compute_dtype for p in layers}
-        else:
-            compute = {p: (key.plan[p] if p in key.plan else key.plan[""]).compute_dtype for p in layers}
+        owned, position, compute = _owned_gradients(model, key, grads, order)
+        layers = list(owned)
         sizes = tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers)
 
-        # found_inf and skipped exactly as the optimizer decides them (the same ops: XLA shares them)
-        inv = jnp.ones((), jnp.float32) / ls.scale
-        bad_layer = {path: ~_all_finite([_unscale_leaf(g, inv) if scaled_mode else g for g in leaves_])
-                     for path, leaves_ in owned.items()}
-        finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
-                  if checks_finite else jnp.ones((), bool))
-        _, halted = _advance(cfg, ls, ~finite)
-        skipped = jnp.zeros((), bool)
-        if cfg.skip_nonfinite:
-            skipped = skipped | ~finite
-        if cfg.on_min_scale == "error" and cfg.min_scale is not None:
-            skipped = skipped | halted
-
-        def compute_stats(_: Any) -> tuple[jax.Array, jax.Array]:
-            return _layer_statistics(owned, compute, ls.scale)
-
-        def no_stats(_: Any) -> tuple[jax.Array, jax.Array]:
-            return (jnp.zeros((len(layers), 4), jnp.int32), jnp.full((len(layers), 2), jnp.nan, jnp.float32))
-
-        # a non-finite step is always sampled (its statistics name every bad layer); a finite
-        # unsampled step pays the predicate only
-        if every == 1:
-            sampled = jnp.ones((), bool)
-            counts, magnitudes = compute_stats(None)
-        else:
-            sampled = ~finite if every is None else (ls.steps % every == 0) | ~finite
-            counts, magnitudes = jax.lax.cond(sampled, compute_stats, no_stats, None)
+        bad_layer, finite, skipped = _finite_and_skipped(cfg, ls, owned)  # as the optimizer decides them
+        sampled, counts, magnitudes = _sampled_statistics(every, finite, ls, owned, compute)
 
         # attribution: candidates are the leaf modules (then any other layer owning parameters)
         paths = tuple(sorted(set(leaves) | set(layers), key=lambda p: (position.get(p, len(position)), p)))
@@ -427,6 +360,107 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return run
+
+
+def _numerics_target(model: Any) -> tuple[Any, Any, Policy]:
+    """(the NNX key or None, what resolves the rows, the policy) of the model apply returned."""
+    nnx = sys.modules.get("flax.nnx")
+    key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
+    if isinstance(model, Applied):
+        return None, model._resolver, model.policy
+    if key is not None:
+        return key, key, key.plan.policy
+    raise TypeError("ampbridge.jax.numerics needs the model ampbridge.jax.apply returned (the Applied "
+                    f"linen model, or the NNX copy); received {type(model).__name__}")
+
+
+def _check_numerics_arguments(every: Any, attribution: Any, sample: Any) -> None:
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
+                         "or None (no per-layer statistics)")
+    if attribution not in (True, False, None, "inputs", "outputs"):
+        raise ValueError(f"ampbridge.jax.numerics: attribution={attribution!r}; accepted: True (= 'inputs'), "
+                         "'outputs', False")
+    if not isinstance(sample, bool):
+        raise ValueError(f"ampbridge.jax.numerics: sample={sample!r}; accepted: True or False (a static "
+                         "Python bool: False is the step without a monitor)")
+
+
+def _forward_order(call: Callable[[Any, Any], Any], target: Any, owner: Any, key: Any) -> list[str]:
+    """The paths of the module calls in forward order, from one abstract run of the loss."""
+    discovery = _Watch(owner)
+    if key is None:
+        jax.eval_shape(lambda p: call(p, discovery), target)
+    else:  # on a throwaway copy: the model's own state is left alone
+        nnx = sys.modules["flax.nnx"]
+        graphdef, state = nnx.split(target)
+        jax.eval_shape(lambda s: call(nnx.merge(graphdef, s), discovery), state)
+    return list(discovery.seen)
+
+
+def _owned_gradients(model: Any, key: Any, grads: Any, order: list[str]
+                     ) -> tuple[dict[str, list[Any]], dict[str, int], dict[str, str]]:
+    """(layer path -> its floating gradient leaves, in forward order; path -> position in that
+    order; layer path -> its row's compute dtype)."""
+    if key is None:
+        owned = _owned_leaves(grads)
+        known = order or list(model._known)
+    else:
+        owned = {}
+        for keypath, var in sys.modules["flax.nnx"].to_flat_state(grads):
+            g = var.get_value() if hasattr(var, "get_value") else var.value
+            if jnp.issubdtype(jnp.result_type(g), jnp.floating):
+                path = _nnx_path(keypath)
+                owned.setdefault(key.owners.get(path, _nnx_path(keypath[:-1])), []).append(g)
+        known = order or [r.path for r in key.plan]
+    position = {p: i for i, p in enumerate(known)}
+    layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
+    owned = {p: owned[p] for p in layers}
+    if key is None:
+        rows = model._rows_for_paths(layers)
+        compute = {p: rows[p].compute_dtype for p in layers}
+    else:
+        compute = {p: (key.plan[p] if p in key.plan else key.plan[""]).compute_dtype for p in layers}
+    return owned, position, compute
+
+
+def _finite_and_skipped(cfg: Any, ls: Any, owned: Mapping[str, list[Any]]) -> tuple[dict[str, Any], Any, Any]:
+    """(layer -> its gradients went non-finite, the step is finite, the step is skipped): found_inf
+    and skipped exactly as the optimizer decides them (the same ops: XLA shares them)."""
+    scaled_mode = cfg.mode in ("dynamic", "static")
+    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
+    inv = jnp.ones((), jnp.float32) / ls.scale
+    bad_layer = {path: ~_all_finite([_unscale_leaf(g, inv) if scaled_mode else g for g in leaves_])
+                 for path, leaves_ in owned.items()}
+    finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
+              if checks_finite else jnp.ones((), bool))
+    _, halted = _advance(cfg, ls, ~finite)
+    skipped = jnp.zeros((), bool)
+    if cfg.skip_nonfinite:
+        skipped = skipped | ~finite
+    if cfg.on_min_scale == "error" and cfg.min_scale is not None:
+        skipped = skipped | halted
+    return bad_layer, finite, skipped
+
+
+def _sampled_statistics(every: int | None, finite: Any, ls: Any, owned: Mapping[str, list[Any]],
+                        compute: Mapping[str, str]) -> tuple[Any, Any, Any]:
+    """(sampled, counts, magnitudes): a non-finite step is always sampled (its statistics name every
+    bad layer); a finite unsampled step pays the predicate only."""
+    n = len(owned)
+
+    def compute_stats(_: Any) -> tuple[jax.Array, jax.Array]:
+        return _layer_statistics(owned, compute, ls.scale)
+
+    def no_stats(_: Any) -> tuple[jax.Array, jax.Array]:
+        return (jnp.zeros((n, 4), jnp.int32), jnp.full((n, 2), jnp.nan, jnp.float32))
+
+    if every == 1:
+        counts, magnitudes = compute_stats(None)
+        return jnp.ones((), bool), counts, magnitudes
+    sampled = ~finite if every is None else (ls.steps % every == 0) | ~finite
+    counts, magnitudes = jax.lax.cond(sampled, compute_stats, no_stats, None)
+    return sampled, counts, magnitudes
 
 
 def _numerics_in(out: Any) -> Numerics | None:
