@@ -220,6 +220,22 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
     trainer = trainer_dtype(auto) if auto is not None else None
     if trainer in ("float16", "bfloat16"):
         config = _accelerate_fill(r, config, trainer)
+    _ds_unknown_keys(r, config)
+    fp16, bf16, bf16_path, autocast, amp, zero, stage = _ds_sections(r, config, version)
+    mode = _ds_mode(r, trainer, fp16, bf16, bf16_path, autocast, amp)
+    comm_dtype, data_types = _ds_communication(r, config, zero)
+    fp32_accum = _dtype_name(str(data_types.get("grad_accum_dtype"))) == "float32"
+    fields, ls = _ds_fields(r, mode, fp16, bf16, bf16_path, autocast, amp, stage, version, fp32_accum)
+    default_reduce = {"fp16": "float16", "bf16": "bfloat16"}.get(mode or "", "float32")
+    fields["reduce_dtype"] = comm_dtype or default_reduce
+    r.origins["reduce_dtype"] = "communication_data_type" + (
+        "" if comm_dtype else f" (absent: {mode or 'fp32'}'s default)")
+    policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
+    return r.done(policy, _ALL_BUT_MATMUL)
+
+
+def _ds_unknown_keys(r: _Reader, config: Mapping[str, Any]) -> None:
+    """A top-level key DeepSpeed would ignore silently, close to one ampbridge reads: a likely typo."""
     for key in config:
         if key not in _DS_READ and key not in _DS_OTHER_KNOWN:
             close = difflib.get_close_matches(str(key), _DS_READ, n=1, cutoff=0.75)
@@ -227,6 +243,10 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
                 r.problem((key,), f"not a DeepSpeed key, and DeepSpeed ignores it silently; did you mean "
                           f"{close[0]!r}?", accepted=", ".join(_DS_READ))
 
+
+def _ds_sections(r: _Reader, config: Mapping[str, Any], version: str) -> tuple:
+    """The sections a precision mode reads, their keys checked, and the ZeRO stage:
+    (fp16, bf16, the bf16 section's path, torch_autocast, amp, zero_optimization, stage)."""
     fp16 = r.section(config, "fp16") or {}
     bf16 = r.section(config, "bf16")
     bf16_path: tuple = ("bf16",)
@@ -251,7 +271,12 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
     stage = _get_int(r, zero, "stage", ("zero_optimization",), 0, low=0, what="an integer from 0 to 3")
     if isinstance(stage, int) and stage > 3:
         r.problem(("zero_optimization", "stage"), "must be an integer from 0 to 3", value=stage, accepted="0, 1, 2, 3")
+    return fp16, bf16, bf16_path, autocast, amp, zero, stage
 
+
+def _ds_mode(r: _Reader, trainer: str | None, fp16: Mapping[str, Any], bf16: Mapping[str, Any], bf16_path: tuple,
+             autocast: Mapping[str, Any], amp: Mapping[str, Any]) -> str | None:
+    """The one enabled precision mode ("fp16", "bf16", "torch_autocast", "amp"), or None (float32)."""
     fp16_on = _resolve_enabled(r, _get_bool(r, fp16, "enabled", ("fp16",), False, allow_auto=True, strings=True),
                                "fp16.enabled", trainer, "float16")
     bf16_on = _resolve_enabled(r, _get_bool(r, bf16, "enabled", bf16_path, False, allow_auto=True, strings=True),
@@ -278,7 +303,12 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
         if mode != name and set(section) - {"enabled"}:
             unused = ", ".join(sorted(set(section) - {"enabled"}))
             r.note(f"{path[0]}: {unused} have no effect: {path[0]} is not enabled")
+    return mode
 
+
+def _ds_communication(r: _Reader, config: Mapping[str, Any], zero: Mapping[str, Any]) -> tuple[str | None, Mapping]:
+    """The communication dtype (None: the mode's default) and the data_types section; what ampbridge
+    has no setting for (sequence-parallel and quantized communication, grad_accum_dtype) is a loss."""
     comm = config.get("communication_data_type")
     comm_dtype = None
     if comm is not None:
@@ -303,10 +333,15 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
     if data_types.get("grad_accum_dtype") is not None:
         r.loss("data_types.grad_accum_dtype", data_types["grad_accum_dtype"],
                "ampbridge has no gradient-accumulation dtype (gradients accumulate in the parameter dtype)")
+    return comm_dtype, data_types
 
+
+def _ds_fields(r: _Reader, mode: str | None, fp16: Mapping[str, Any], bf16: Mapping[str, Any], bf16_path: tuple,
+               autocast: Mapping[str, Any], amp: Mapping[str, Any], stage: Any, version: str,
+               fp32_accum: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Policy fields and loss-scale fields of the enabled mode."""
     fields: dict[str, Any] = {}
     ls: dict[str, Any] = {}
-    fp32_accum = _dtype_name(str(data_types.get("grad_accum_dtype"))) == "float32"
     if mode == "fp16":
         fields, ls = _ds_fp16(r, fp16, stage, version)
     elif mode == "bf16":
@@ -327,12 +362,7 @@ def from_deepspeed(config: Mapping[str, Any], *, auto: Any = None, version: str 
         if unchecked:
             r.loss("zero_optimization.stage", stage, unchecked)
         r.note(f"skip_nonfinite for DeepSpeed {version}: {_rel.cell_source(version)}")
-    default_reduce = {"fp16": "float16", "bf16": "bfloat16"}.get(mode or "", "float32")
-    fields["reduce_dtype"] = comm_dtype or default_reduce
-    r.origins["reduce_dtype"] = "communication_data_type" + (
-        "" if comm_dtype else f" (absent: {mode or 'fp32'}'s default)")
-    policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
-    return r.done(policy, _ALL_BUT_MATMUL)
+    return fields, ls
 
 
 def _accelerate_fill(r: _Reader, config: Mapping[str, Any], trainer: str) -> Mapping[str, Any]:

@@ -31,7 +31,7 @@ from .linen import (
     _keep_state_dtypes,
     _trace_state,
 )
-from .nnx import _apply_nnx, _nnx_graph, _nnx_path
+from .nnx import _apply_nnx, _nnx_copy, _nnx_layers
 
 
 class Applied:
@@ -290,12 +290,15 @@ def apply(model: Any, policy: Policy | str) -> Any:
     if linen is not None and isinstance(model, linen.Module):
         return Applied(model, policy)
     if nnx is not None and isinstance(model, nnx.Module):
-        _refuse_applied_nnx(model, nnx)
+        with gc_paused():  # one walk of the copy serves the refusal and the conversion
+            copy = _nnx_copy(model)
+            described = _nnx_layers(copy)
+        _refuse_applied_nnx(described.instances)
         resolved, notes = resolve_policy(policy)
         if resolved.fp8.enabled or any(ph.policy.fp8.enabled for ph in resolved.phases):
             raise UnsupportedOptionError("the [fp8] table is not realised on flax.nnx models (Flax's fp8_ops are "
                                          "linen modules); use a linen model, or leave [fp8] out")
-        return _apply_nnx(model, _phase_policy(resolved), notes)
+        return _apply_nnx(copy, _phase_policy(resolved), notes, described)
     raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
                     f"{type(model).__module__}.{type(model).__qualname__}. For plain pytrees "
                     "(equinox, haiku) use ampbridge.jax.cast(tree, policy)")
@@ -305,12 +308,13 @@ class ModelNotSupportedError(AmpBridgeError, TypeError):
     """``apply`` was given a model it cannot realise a policy on (an applied one, or part of one)."""
 
 
-def _refuse_applied_nnx(module: Any, nnx: Any) -> None:
+def _refuse_applied_nnx(instances: Mapping[str, Any]) -> None:
     """An NNX model ``apply`` returned (or a module of one) runs its own Plan already: applying to it
-    again would wrap its calls twice."""
-    for keypath, value in sorted(_nnx_graph(module), key=lambda kv: len(kv[0])):  # the module itself first
-        if isinstance(value, nnx.Module) and "_ampbridge_original" in vars(type(value)):
-            where = "this module" if not keypath else f"its module {_nnx_path(keypath)!r}"
+    again would wrap its calls twice. ``instances``: path -> module of the model (or its copy: the
+    same classes), the module itself first."""
+    for path, value in instances.items():
+        if "_ampbridge_original" in vars(type(value)):
+            where = "this module" if not path else f"its module {path!r}"
             raise ModelNotSupportedError(
                 f"{where} belongs to a model ampbridge.jax.apply returned (it runs that Plan already); apply the "
                 "policy to the original module (apply returns a copy and leaves the original as it was)")

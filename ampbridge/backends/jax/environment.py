@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from typing import Any
 
 import jax
@@ -35,6 +36,10 @@ MATMUL_PRECISION = {"highest": "highest", "high": "high", "medium": "default"}
 
 
 def _require(module: str, what: str) -> Any:
+    imported = sys.modules.get(module)
+    if imported is not None:  # the common case, per module call while planning: no import machinery
+        _common.checked_release(module.split(".")[0])
+        return imported
     try:
         imported = importlib.import_module(module)
     except ImportError as e:

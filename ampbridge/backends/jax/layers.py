@@ -230,8 +230,7 @@ def _carried(module: Any) -> set[str]:
     """The float dtypes a module can hand down to the modules it makes: its own ``dtype`` and the
     ``dtype`` of a configuration object among its attributes (``self.config.dtype``)."""
     names = {_dtype_name(getattr(module, "dtype", None))} if _has_field(module, "dtype") else set()
-    skip = (jax.Array, np.ndarray, _linen().Module) + ((_nnx().Module, _nnx().Variable)
-                                                       if _has_nnx() else ())
+    skip = _not_configurations()
     for value in _attribute_values(module):
         # a dtype itself (param_dtype = jnp.float32: a type with a .dtype) is not a configuration
         if value is None or isinstance(value, (str, int, float, tuple, list, dict, type, np.dtype) + skip):
@@ -240,6 +239,12 @@ def _carried(module: Any) -> set[str]:
             names.add(_dtype_name(getattr(value, "dtype", None)))
     names.discard(None)
     return names  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=1)
+def _not_configurations() -> tuple[type, ...]:
+    """Attribute types that are not a configuration object (arrays, modules, variables)."""
+    return (jax.Array, np.ndarray, _linen().Module) + ((_nnx().Module, _nnx().Variable) if _has_nnx() else ())
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,7 +1,7 @@
 """flax.linen: the method interceptor that runs every module call in its Plan row's dtypes, the
 planning memo (a repeated leaf call traced once), and the linen Plan.
 
-Holds: Observed, _LinenInterceptor, _linen_plan, _linen_chain, _attributes, _call_key, _Memo,
+Holds: Observed, _LinenInterceptor, _linen_plan, _linen_entry, _attributes, _call_key, _Memo,
 _own_param_counts, _param_paths, _keep_state_dtypes, _needs_classes, _is_frozen, _trace_state.
 """
 
@@ -25,6 +25,7 @@ from .fp8 import dot_general_cls, fp8_call, mark_rows
 from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _floating, _is_float_array, _linen
 from .layers import (
     _class_name,
+    _dtype_name,
     _Facts,
     _facts,
     _has_field,
@@ -44,31 +45,37 @@ def _linen_path(module: Any) -> str:
     return join_path(*[str(p) for p in module.path])
 
 
-def _linen_chain(module: Any, cache: dict | None = None) -> tuple[tuple[str, str | None, str, Any], ...]:
-    """(path, kind, class, dtypes its author fixed) of the module and its ancestors, root first;
-    ``cache`` (by ``id``, the module kept alive beside its chain) spares recomputing the ancestors'
-    part, and keeps what each module hands down as first seen (before ampbridge set its dtype)."""
+def _linen_entry(module: Any, cache: dict) -> tuple[Any, tuple, set[str], str | None]:
+    """(module, chain, what it hands down as first seen, how its kind was decided), made once per
+    module; chain: (path, kind, class, dtypes its author fixed) of the module and its ancestors,
+    root first. ``cache`` (by ``id``, the module kept alive in its entry) spares recomputing the
+    ancestors' part, and keeps what each hands down as first seen (before ampbridge set its dtype)."""
     nn = _linen()
-    if cache is None:
-        cache = {}
     hit = cache.get(id(module))
     if hit is not None and hit[0] is module:
-        return hit[1]
+        return hit
     parent = module.parent
-    head = _linen_chain(parent, cache) if isinstance(parent, nn.Module) else ()
+    head = _linen_entry(parent, cache)[1] if isinstance(parent, nn.Module) else ()
     fixed = None
     if head:  # the model's own dtype is the user's
         handed_down: set[str] = set()
         configured = False  # some enclosing module has a dtype setting (even None)
         above = parent
         while isinstance(above, nn.Module):
-            handed_down |= cache[id(above)][2] | _carried(above)  # as first seen, and as running now
-            configured = configured or _has_field(above, "dtype")
+            # as first seen, and as running now: only its own dtype changes while it runs (_attributes
+            # sets it), what a configuration among its fields hands down is in the first-seen set
+            handed_down |= cache[id(above)][2]
+            if _has_field(above, "dtype"):
+                configured = True
+                now = _dtype_name(getattr(above, "dtype", None))
+                if now is not None:
+                    handed_down.add(now)
             above = above.parent
         fixed = _author_dtypes(module, handed_down, configured or bool(handed_down))
-    chain = head + ((_linen_path(module), _kind_of(module, "linen"), _class_name(module), fixed),)
-    cache[id(module)] = (module, chain, _carried(module))
-    return chain
+    kind, source = _kind_and_source(module, "linen")
+    entry = (module, head + ((_linen_path(module), kind, _class_name(module), fixed),), _carried(module), source)
+    cache[id(module)] = entry
+    return entry
 
 
 @contextlib.contextmanager
@@ -200,18 +207,17 @@ class _LinenInterceptor:
         self.modules: list[Any] = []  # the module of each call in progress (memo only)
         self.entered = 0  # calls of another module than the caller's so far (memo only)
         self.depth = 0  # module calls in progress; 0 on entry: the model's own (outermost) call
-        self.chains: dict[int, tuple] = {}  # id(module) -> (module, its chain), for this trace
+        self.chains: dict[int, tuple] = {}  # id(module) -> its _linen_entry, for this trace
         self.calling: list[str] = []  # paths of the module calls in progress, outermost first
         self.callers: dict[str, str] = {}  # path -> the module whose code first called it (record only)
         self.model_inputs: dict[int, tuple[Any, Any]] = {}  # the outermost call's cast inputs -> originals
 
     def __call__(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
-        chain = _linen_chain(module, self.chains)
+        _, chain, _, kind_source = _linen_entry(module, self.chains)
         path, kind, class_name, fixed = chain[-1]
         if self.record is not None and path not in self.record:
-            self.record[path] = (kind, class_name,
-                                 _facts(module, _kind_and_source(module, "linen")[1])._replace(fixed=fixed))
+            self.record[path] = (kind, class_name, _facts(module, kind_source)._replace(fixed=fixed))
         if self.fixed is not None:
             self.fixed[path] = fixed
         if self.memo is not None and (not self.modules or self.modules[-1] is not module):

@@ -7,6 +7,7 @@ _nnx_subclass, _own_variables, _is_callable_module, _nnx_copy, _tree_mode_first.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -186,8 +187,13 @@ def _own_variables(module: Any, kind: Any = None) -> list[Any]:
 
 
 def _is_callable_module(module: Any) -> bool:
+    return _is_callable_class(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_callable_class(cls: type) -> bool:
     # look in the class dicts: getattr(cls, "__call__") would find the metaclass's
-    return any("__call__" in vars(cls) for cls in type(module).__mro__ if cls is not object)
+    return any("__call__" in vars(klass) for klass in cls.__mro__ if klass is not object)
 
 
 #: methods Flax itself calls on every module (``nnx.view``): not the model's computation
@@ -356,9 +362,8 @@ def _set_static(module: Any, name: str, value: Any) -> None:
 
 
 @gc_paused()
-def _apply_nnx(module: Any, policy: Policy, notes: tuple[str, ...]) -> Any:
-    model = _nnx_copy(module)
-    described = _nnx_layers(model)
+def _apply_nnx(model: Any, policy: Policy, notes: tuple[str, ...], described: _NnxModel) -> Any:
+    """Convert ``model`` (a fresh :func:`_nnx_copy`, ``described`` by :func:`_nnx_layers`) in place."""
     plan_ = _nnx_plan(model, policy, warn=True, notes=notes, described=described)
     _, instances, owners, params, stats = described
     for path, (var, value) in params.items():
