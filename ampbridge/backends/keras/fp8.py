@@ -18,6 +18,7 @@ Holds ``REALISED_BY``, ``mark_rows``, ``check`` and ``realise``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from typing import Any
 
@@ -95,6 +96,20 @@ def realise(model: Any, policy: Policy, plan: Plan, by_path: dict[str, Any]) -> 
                 "float8", source_name=layer.dtype_policy.name, amax_history_length=history)
     elif "" in plan and id(by_path[""]) in todo:
         by_path[""].quantize("float8")
-    else:
+    elif "filters" in inspect.signature(model.quantize).parameters:
         model.quantize("float8", filters=lambda layer: id(layer) in todo)
+    else:
+        quantize_layers(model, list(todo.values()))
     return True
+
+
+def quantize_layers(model: Any, chosen: list[Any]) -> None:
+    """``model.quantize("float8")`` for the chosen layers only, as Keras before ``filters`` (3.12)
+    does it for every layer: each layer's own ``quantize``, then the model's step functions rebuilt
+    (and, on torch, the variables re-tracked)."""
+    for layer in chosen:
+        layer.quantize("float8")
+    model.train_function = model.test_function = model.predict_function = None
+    if keras.backend.backend() == "torch":
+        for layer in model._flatten_layers():
+            layer._track_variables()
