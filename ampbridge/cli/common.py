@@ -72,26 +72,31 @@ def _short(source: str) -> str:
         return source
 
 
-def load_model(spec: str) -> tuple[Any, tuple[Any, ...]]:
-    """``--model module:callable``: the model the callable returns, and any example inputs after it."""
+def import_attribute(spec: str, flag: str, example: str) -> Any:
+    """``module:name`` given to ``flag``: the attribute, imported with the working directory first on
+    the path; bad usage and a failing user module are each one line."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"--model takes module:callable (as in mypkg.models:build), got {spec!r}")
+        raise UsageError(f"{flag} takes module:callable (as in {example}), got {spec!r}")
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name != module_name.split(".")[0] and e.name != module_name:
-            raise InputError(f"--model {spec}: importing {module_name!r} failed: {one_line(e)}") from None
-        raise UsageError(f"--model: cannot import {module_name!r}: {e}") from None
+            raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {one_line(e)}") from None
+        raise UsageError(f"{flag}: cannot import {module_name!r}: {e}") from None
     except Exception as e:  # the user's module failed while importing: its error, in one line
-        raise InputError(f"--model {spec}: importing {module_name!r} failed: {one_line(e)}") from None
+        raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {one_line(e)}") from None
     finally:
         sys.path.pop(0)
-    try:
-        factory = getattr(module, attr)
-    except AttributeError:
-        raise UsageError(f"--model: {module_name!r} has no attribute {attr!r}") from None
+    if not hasattr(module, attr):
+        raise UsageError(f"{flag}: {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def load_model(spec: str) -> tuple[Any, tuple[Any, ...]]:
+    """``--model module:callable``: the model the callable returns, and any example inputs after it."""
+    factory = import_attribute(spec, "--model", "mypkg.models:build")
     try:
         made = factory() if callable(factory) else factory
     except Exception as e:  # the user's callable raised: say so, with its own one-line summary

@@ -8,31 +8,7 @@ import sys
 from typing import Any
 
 from ..core import io as _io
-from .common import InputError, UsageError, load_model, one_line
-
-
-def _attribute(spec: str, flag: str) -> Any:
-    """``module:name`` resolved like ``--model`` (the working directory first on the path)."""
-    import importlib
-    import os
-
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"{flag} takes module:callable (as in mypkg.train:batches), got {spec!r}")
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name.split(".")[0] and e.name != module_name:
-            raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {one_line(e)}") from None
-        raise UsageError(f"{flag}: cannot import {module_name!r}: {e}") from None
-    except Exception as e:
-        raise InputError(f"{flag} {spec}: importing {module_name!r} failed: {one_line(e)}") from None
-    finally:
-        sys.path.pop(0)
-    if not hasattr(module, attr):
-        raise UsageError(f"{flag}: {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
+from .common import InputError, UsageError, import_attribute, load_model, one_line
 
 
 def _dtypes(text: str | None) -> tuple[str, ...] | None:
@@ -53,8 +29,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     dtypes = _dtypes(args.dtypes)
     policy = _io.load(args.policy)
     model, extras = load_model(args.model)
-    data_fn = _attribute(args.data, "--data")
-    loss = _attribute(args.loss, "--loss")
+    data_fn = import_attribute(args.data, "--data", "mypkg.train:batches")
+    loss = import_attribute(args.loss, "--loss", "mypkg.train:batches")
     try:
         data = data_fn() if callable(data_fn) else data_fn
     except Exception as e:
