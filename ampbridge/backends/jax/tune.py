@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from ...core.policy import Policy
 from ...diagnostics.runlog import RunLog, read_log
-from ...diagnostics.tune import StepCycle, TuneResult, tune_policy
+from ...diagnostics.tune import TOLERANCE, StepCycle, TuneResult, tune_policy
 from ..common import as_policy
 from .apply import apply
 from .loss_scale import optimizer as scaled_optimizer
@@ -58,7 +58,8 @@ def _run(module: Any, policy: Policy, variables: Mapping[str, Any], cycle: StepC
 
 def tune(model: Any, policy: Policy | str | Path, variables: Mapping[str, Any], batches: Iterable[Any],
          loss_fn: Callable[[Any, Any], Any], *, steps: int = 8, dtypes: Iterable[str] | None = None,
-         optimizer: Callable[[], Any] | None = None, progress: Callable[[str], None] | None = None) -> TuneResult:
+         optimizer: Callable[[], Any] | None = None, progress: Callable[[str], None] | None = None,
+         tolerance: float = TOLERANCE) -> TuneResult:
     """The pins ``policy`` needs on a linen module ``model`` with ``variables``, from ``steps`` optax steps.
 
     ``batches``: ``(inputs, target)`` pairs (``inputs`` an array, or a tuple passed positionally);
@@ -83,4 +84,5 @@ def tune(model: Any, policy: Policy | str | Path, variables: Mapping[str, Any], 
         def run(p: Policy) -> RunLog:
             return _run(model, p, variables, cycle, loss_fn, make_tx, Path(tmp) / f"run{next(count)}.jsonl")
 
-        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="jax", steps=steps, progress=progress)
+        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="jax", steps=steps, progress=progress,
+                           tolerance=tolerance)
