@@ -135,3 +135,51 @@ def test_tune_pins_the_layer_a_finite_run_diverges_at():
     assert result.policy == ampbridge.preset("mixed_bfloat16").replace(keep_float32=("center",))
     same = jax.tree_util.tree_map(lambda a, b: np.array_equal(a, b), before, variables)
     assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_nnx_tune_pins_the_overflowing_layer_and_leaves_the_model_as_it_was():
+    """The same model as an NNX module: ``tune(model, policy, batches, loss_fn)``; the same pins;
+    the user's model keeps its values and dtypes; 30 steps with the tuned policy are finite and fall."""
+    nnx = require("flax.nnx")
+
+    class NScale(nnx.Module):
+        def __call__(self, x):
+            return x * 1e6
+
+    class NModel(nnx.Module):
+        def __init__(self, rngs):
+            self.first = nnx.Linear(4, 8, rngs=rngs)
+            self.scale = NScale()
+            self.shrink = nnx.Linear(8, 8, rngs=rngs)
+            self.shrink.kernel.set_value(self.shrink.kernel.get_value() * 1e-6)  # back to O(1)
+            self.head = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.shrink(self.scale(self.first(x)))))
+
+    model, data = NModel(nnx.Rngs(0)), _data()
+    before = jax.tree_util.tree_map(lambda a: np.array(a, copy=True), nnx.state(model, nnx.Param))
+    out = abj.apply(model, "mixed_float16")(jnp.asarray(data[0][0]))
+    assert not np.isfinite(np.asarray(out, np.float32)).any()
+
+    result = abj.tune(model, "mixed_float16", data, _loss, steps=6)
+
+    assert result.added == ("scale", "shrink") and result.finite
+    assert result.policy == ampbridge.preset("mixed_float16").replace(keep_float32=("scale", "shrink"))
+    assert result.evidence["scale"].nonfinite == "output" and not result.evidence["first"].pinned
+    after = nnx.state(model, nnx.Param)
+    same = jax.tree_util.tree_map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), before, after)
+    assert all(jax.tree_util.tree_leaves(same))
+
+    work = abj.apply(model, result.policy)
+    opt = nnx.Optimizer(work, abj.optimizer(optax.adam(1e-2), result.policy), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(work, opt, x, y):
+        loss, grads = abj.value_and_grad(lambda m: _loss(m(x), y), opt)(work)
+        opt.update(work, grads)
+        return loss
+
+    losses = [float(step(work, opt, *data[i % len(data)])) for i in range(30)]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4
