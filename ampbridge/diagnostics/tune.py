@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import time
@@ -389,9 +390,7 @@ def tune_policy(policy: Policy, run: RunFn, *, dtypes: Iterable[str] | None = No
     start = time.perf_counter()
     if not isinstance(policy, Policy):  # the backends resolve names and files (backends.common.as_policy)
         raise TypeError(f"tune_policy takes a Policy; received {type(policy).__name__}")
-    if policy.phases:
-        raise ValueError("tune takes a policy without [[phase]] entries; tune each phase's policy "
-                         "(policy.at(step=...)) on its own")
+    full, index, policy = policy, *_active_phase(policy, steps)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
         raise ValueError(f"tolerance: {tolerance!r} is not accepted; a loss gap >= 0, e.g. 0.05 for 5%")
     if isinstance(tries, bool) or not isinstance(tries, int) or tries < 0:
@@ -414,8 +413,37 @@ def tune_policy(policy: Policy, run: RunFn, *, dtypes: Iterable[str] | None = No
             progress(f"{d}: policy run")
         candidates.append(_search(base, run, reference, progress, max_rounds, float(tolerance), tries))
     chosen, reason = _choose(candidates)
-    return TuneResult(policy, chosen.policy, framework, steps, time.perf_counter() - start, tuple(candidates),
-                      chosen, reason)
+    if full.phases:
+        reason += (f" (the [[phase]] in force over the {max(steps, 1)} step(s): phase {index + 1})" if index is not None
+                   else " (the top-level settings, in force after the last [[phase]])")
+    return TuneResult(full, _into_phase(full, index, chosen.policy), framework, steps, time.perf_counter() - start,
+                      tuple(candidates), chosen, reason)
+
+
+def _active_phase(policy: Policy, steps: int) -> tuple[int | None, Policy]:
+    """For a policy with ``[[phase]]`` entries: the phase in force over steps 0 .. steps-1 of epoch 0
+    (its index, None for the top level) and its complete policy; refused when the steps cross a bound."""
+    if not policy.phases:
+        return None, policy
+    last = max(steps, 1) - 1
+    first_i, last_i = policy.phase_index(step=0, epoch=0), policy.phase_index(step=last, epoch=0)
+    if first_i != last_i:
+        bound = policy.phases[first_i if first_i is not None else 0].until
+        raise ValueError(f"tune runs steps 0 to {last}, which cross the [[phase]] bound at step {bound}; "
+                         f"tune with steps <= {bound}, or tune a later phase's policy (policy.at(step=...)) on its own")
+    return first_i, policy.at(step=0, epoch=0)
+
+
+def _into_phase(full: Policy, index: int | None, tuned: Policy) -> Policy:
+    """``full`` with the tuned fields (``keep_float32``, ``compute_dtype``) set where the phase tuned lives."""
+    changes = {"keep_float32": tuned.keep_float32, "compute_dtype": tuned.compute_dtype}
+    if not full.phases:
+        return tuned
+    if index is None:
+        return full.replace(**changes)
+    phases = list(full.phases)
+    phases[index] = dataclasses.replace(phases[index], policy=phases[index].policy.replace(**changes))
+    return full.replace(phases=tuple(phases))
 
 
 def format_result(result: TuneResult) -> str:

@@ -104,8 +104,33 @@ def test_bad_arguments_are_refused_by_name():
     run = _simulated([1.0], [])
     with pytest.raises(ValueError, match="'float8_e4m3fn' is not a compute dtype tune considers"):
         tune_policy(ampbridge.preset("mixed_float16"), run, dtypes=("float8_e4m3fn",))
-    with pytest.raises(ValueError, match="without \\[\\[phase\\]\\]"):
-        tune_policy(ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 2\n'), run)
+    with pytest.raises(ValueError, match="tune runs steps 0 to 3, which cross the \\[\\[phase\\]\\] bound at step 2"):
+        tune_policy(ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 2\n'), run, steps=4)
+
+
+PHASED = """compute_dtype = "float16"
+keep_float32 = ["l9"]
+[[phase]]
+until_step = 100
+keep_float32 = ["l8"]
+[[phase]]
+until_step = 200
+"""
+
+
+def test_a_policy_with_phases_gets_the_pins_in_the_phase_its_steps_run_in():
+    calls = []
+    policy = ampbridge.loads(PHASED)
+    result = tune_policy(policy, _simulated([1.0, 1e6, 1.0], calls), steps=8)
+    # the runs saw the first phase's complete policy, no schedule
+    assert all(not c.phases for c in calls) and calls[1] == policy.at(step=0)
+    assert result.added == ("l1", "l2")
+    assert result.policy.phases[0].policy.keep_float32 == ("l8", "l1", "l2")
+    assert result.policy.phases[1].policy == policy.phases[1].policy  # the other phase as it was
+    assert result.policy.keep_float32 == ("l9",)
+    assert ampbridge.loads(ampbridge.dumps(result.policy)) == result.policy
+    assert "phase 1" in result.reason
+    assert result.diff().splitlines()[-1] == '+keep_float32 = ["l8", "l1", "l2"]'
 
 
 def _diverging(bad_layers, gaps):
