@@ -343,10 +343,13 @@ def _search(policy: Policy, run: RunFn, reference: RunLog, progress: Progress | 
                                              max_rounds, added)
         runs += more
     finite = _culprit(log)[1] == "finite"
+    skipped = sum(1 for s in log.steps if s["skipped"])
+    if note and skipped:
+        note += (f"; the run skipped {skipped} of {len(log.steps)} step(s) (the loss scale backing off): the "
+                 "updates the reference made on them are part of the gap, which no pin removes")
     return Candidate(policy.compute_dtype, current, tuple(added), finite, runs + 1, loss_gap(first_log, reference),
-                     loss_gap(log, reference), sum(1 for s in log.steps if s["skipped"]),
-                     _evidence(first_log, log, reference, added, named), None if finite else problem,
-                     tolerance, note)
+                     loss_gap(log, reference), skipped, _evidence(first_log, log, reference, added, named),
+                     None if finite else problem, tolerance, note)
 
 
 def _pct(x: float | None) -> str:
