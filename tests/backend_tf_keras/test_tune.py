@@ -82,3 +82,25 @@ def test_tune_refuses_what_is_not_a_tf_keras_model():
 
     with pytest.raises(TypeError, match="tune takes a tf_keras model"):
         atk.tune(object(), "mixed_float16", _data(), "mse")
+
+
+def test_tune_pins_the_layer_a_finite_run_diverges_at():
+    """Finite but far off under mixed_bfloat16: a first Dense removes a 1000 offset from its inputs,
+    which bfloat16 holds only to the nearest 4; tune pins it for the loss gap, which falls under 5%."""
+    offset = 1000.0
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(4, name="center"),
+                                 tf_keras.layers.Dense(8, activation="tanh", name="hidden"),
+                                 tf_keras.layers.Dense(1, name="head")])
+    model.get_layer("center").set_weights([np.eye(4, dtype="float32"), np.full(4, -offset, "float32")])
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4, 1)).astype("float32")
+    data = []
+    for _ in range(4):
+        s = rng.standard_normal((16, 4)).astype("float32")
+        data.append((s + offset, (np.asarray(model(s + offset)) + 0.3 * np.tanh(s @ w)).astype("float32")))
+    result = atk.tune(model, "mixed_bfloat16", data, "mse", steps=8)
+    c = result.chosen
+    assert c.finite and c.skipped == 0 and c.gap_before > 0.3
+    assert result.added == ("center",) and result.evidence["center"].diverged
+    assert c.gap_after < 0.05 and c.close
