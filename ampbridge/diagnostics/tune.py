@@ -19,6 +19,10 @@ zero that the reference has non-zero, and the underflow share), pins the highest
 the pin when it lowers the gap by at least a tenth; a pin that does not is undone and the next ranked
 layer is tried (``tries`` per round, default 3). When none helps the search stops and ``.reason`` says so.
 
+A policy with ``[[phase]]`` entries is tuned in the phase in force over steps 0 .. ``steps``-1 (the runs
+get that phase's complete policy, no schedule) and the pins go into that phase; steps that cross a
+phase bound are refused.
+
 Example:
     >>> from ampbridge.diagnostics.runlog import RunLog
     >>> def run(policy):  # a stand-in backend: layer "big" overflows unless it is pinned
