@@ -175,3 +175,14 @@ def test_a_tolerance_of_zero_pins_until_the_run_is_the_reference():
     result = abt.tune(model, "mixed_bfloat16", _data(), nn.functional.mse_loss, steps=3, tolerance=0.0)
     assert sorted(result.added) == ["0", "2"] and result.chosen.gap_before > 0
     assert result.chosen.gap_after == 0.0 and result.chosen.close
+
+
+def test_tune_on_a_schedule_pins_in_the_phase_the_steps_run_in():
+    policy = ampbridge.loads('extends = "mixed_float16"\n[[phase]]\nuntil_step = 50\n'
+                             '[[phase]]\ncompute_dtype = "bfloat16"\n')
+    result = abt.tune(_model(), policy, _data(), nn.functional.mse_loss, steps=4)
+    assert result.added == ("1", "2") and result.policy.phases[0].policy.keep_float32 == ("1", "2")
+    assert result.policy.phases[1] == policy.phases[1]  # the bfloat16 phase as it was
+    assert ampbridge.loads(ampbridge.dumps(result.policy)) == result.policy
+    with pytest.raises(ValueError, match="cross the \\[\\[phase\\]\\] bound at step 50"):
+        abt.tune(_model(), policy, _data(), nn.functional.mse_loss, steps=60)
