@@ -4,8 +4,9 @@ through ``apply``, ``optimizer`` and ``Monitor``; the search is ``ampbridge.diag
 tf_keras's ``Monitor`` names the layer whose own *gradients* went non-finite; a forward that went
 non-finite needs the layer whose *output* did first, so a run whose loss is non-finite is probed
 here: the first batch with a non-finite loss goes through a model that returns every top-level
-layer's output, and the first non-finite one in forward order is the layer named (its inputs are
-the outputs before it, all finite)."""
+layer's output (with the run's final weights: a skipped step changes none), and the first non-finite
+one in forward order is the layer named (its inputs are the outputs before it, all finite). Layers
+inside a nested model are not probed one by one: the nested model is named as a whole."""
 
 from __future__ import annotations
 
