@@ -26,6 +26,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if not 0 <= args.tolerance < float("inf"):
+        raise UsageError(f"--tolerance takes a loss gap >= 0 (0.05: 5%), got {args.tolerance}")
     dtypes = _dtypes(args.dtypes)
     policy = _io.load(args.policy)
     model, extras = load_model(args.model)
@@ -44,7 +46,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     try:
         result = backend_module(name).tune(model, policy, *extras, data, loss, steps=args.steps, dtypes=dtypes,
-                                           progress=progress)
+                                           progress=progress, tolerance=args.tolerance)
     except (TypeError, ValueError) as e:  # the user's model, data or loss did not fit together
         raise InputError(f"tune ({name}): {one_line(e)}") from None
     print(result.summary())
@@ -63,6 +65,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--loss", required=True, metavar="MODULE:CALLABLE", help="the loss function: loss(outputs, target)")
     p.add_argument("-o", "--output", metavar="TUNED.toml", default=None, help="write the tuned policy here")
     p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
+    p.add_argument("--tolerance", type=float, default=0.05, help="the loss gap from the float32 reference "
+                   "accepted (mean over the steps, relative; default 0.05)")
     p.add_argument("--dtypes", default=None, metavar="float16,bfloat16", help="compute dtypes to consider "
                    "(default: the policy's)")
     p.set_defaults(run=cmd_tune)

@@ -81,3 +81,42 @@ def test_tune_pins_the_overflowing_layer_then_what_its_output_needs_next():
     assert all(math.isfinite(x) for x in losses[8:])  # the first few: the loss scale backing off
     # falling: by over half on Keras 3.15, by about a quarter on the floor release 3.12
     assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[8:12]) / 4
+
+
+OFFSET = 1000.0  # bfloat16 holds 1000 + s to the nearest 4: the signal s (std 1) is lost
+
+
+def _offset_model():
+    """A first Dense that removes a large offset from its inputs (kernel I, bias -1000), then an MLP."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="center"),
+                              keras.layers.Dense(8, activation="tanh", name="hidden"),
+                              keras.layers.Dense(1, name="head")])
+    model.get_layer("center").set_weights([np.eye(4, dtype="float32"), np.full(4, -OFFSET, "float32")])
+    return model
+
+
+def _offset_data(n=4):
+    """Inputs 1000 + s; targets the model's own float32 outputs on 1000 + s, plus a term to learn."""
+    rng = np.random.default_rng(1)
+    w, teacher = rng.standard_normal((4, 1)).astype("float32"), _offset_model()
+    out = []
+    for _ in range(n):
+        s = rng.standard_normal((16, 4)).astype("float32")
+        y = keras.ops.convert_to_numpy(teacher(s + OFFSET)) + 0.3 * np.tanh(s @ w)
+        out.append((s + OFFSET, y.astype("float32")))
+    return out
+
+
+def test_tune_pins_the_layer_a_finite_run_diverges_at():
+    """Finite but far off under mixed_bfloat16 (the offset layer's input loses its signal); tune
+    pins that layer for the loss gap and the gap falls under the tolerance; tries=0 would not."""
+    model, data = _offset_model(), _offset_data()
+    before = [w.copy() for w in model.get_weights()]
+    result = ak.tune(model, "mixed_bfloat16", data, "mse", steps=8)
+    c = result.chosen
+    assert c.finite and c.skipped == 0 and c.gap_before > 0.3
+    assert result.added == ("center",) and result.evidence["center"].diverged
+    assert c.gap_after < 0.05 < c.gap_before and c.close
+    assert result.policy == ampbridge.preset("mixed_bfloat16").replace(keep_float32=("center",))
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))

@@ -122,3 +122,67 @@ def test_tune_refuses_bad_arguments_by_name():
         abt.tune(model, "mixed_float16", _data(), nn.functional.mse_loss, dtypes=("int8",))
     with pytest.raises(ValueError, match="at least one batch"):
         abt.tune(model, "mixed_float16", [], nn.functional.mse_loss)
+
+
+OFFSET = 1000.0  # bfloat16 holds 1000 + s to the nearest 4: the signal s (std 1) is lost
+
+
+def _offset_model():
+    """A first Linear that removes a large offset from its inputs (weight I, bias -1000), then an MLP."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.fill_(-OFFSET)
+    return model
+
+
+def _offset_data(n=4):
+    """Inputs 1000 + s; targets the model's own float32 outputs on s, plus a term to learn."""
+    g = torch.Generator().manual_seed(1)
+    w, teacher = torch.randn(4, 1, generator=g), _offset_model()
+    out = []
+    for _ in range(n):
+        s = torch.randn(16, 4, generator=g)
+        with torch.no_grad():
+            out.append((s + OFFSET, teacher[1:](s) + 0.3 * torch.tanh(s @ w)))
+    return out
+
+
+def test_tune_pins_the_layer_a_finite_run_diverges_at():
+    """Finite but far off: under mixed_bfloat16 the offset layer's input loses its signal (every
+    forward finite, no skipped step); tune pins that layer for the loss gap, and the gap falls under
+    the tolerance. With the divergence step off (tries=0) nothing is pinned and the gap stays."""
+    model, data = _offset_model(), _offset_data()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = abt.tune(model, "mixed_bfloat16", data, nn.functional.mse_loss, steps=8)
+    c = result.chosen
+    assert c.finite and c.skipped == 0 and c.gap_before > 0.3  # far off: over 30% (measured 60%)
+    assert result.added == ("0",) and result.evidence["0"].diverged and not result.evidence["1"].pinned
+    assert c.gap_after < 0.05 < c.gap_before and c.close  # under the default tolerance (measured 0.2%)
+    assert result.policy == ampbridge.preset("mixed_bfloat16").replace(keep_float32=("0",))
+    assert "within the tolerance" in result.reason
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    # a tolerance the run already meets: nothing to pin
+    loose = abt.tune(model, "mixed_bfloat16", data, nn.functional.mse_loss, steps=8, tolerance=0.9)
+    assert loose.added == () and loose.chosen.close
+
+
+def test_a_tolerance_of_zero_pins_until_the_run_is_the_reference():
+    # every bfloat16 layer rounds: each pin lowers the gap, and with both Linears pinned the run is float32
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    result = abt.tune(model, "mixed_bfloat16", _data(), nn.functional.mse_loss, steps=3, tolerance=0.0)
+    assert sorted(result.added) == ["0", "2"] and result.chosen.gap_before > 0
+    assert result.chosen.gap_after == 0.0 and result.chosen.close
+
+
+def test_tune_on_a_schedule_pins_in_the_phase_the_steps_run_in():
+    policy = ampbridge.loads('extends = "mixed_float16"\n[[phase]]\nuntil_step = 50\n'
+                             '[[phase]]\ncompute_dtype = "bfloat16"\n')
+    result = abt.tune(_model(), policy, _data(), nn.functional.mse_loss, steps=4)
+    assert result.added == ("1", "2") and result.policy.phases[0].policy.keep_float32 == ("1", "2")
+    assert result.policy.phases[1] == policy.phases[1]  # the bfloat16 phase as it was
+    assert ampbridge.loads(ampbridge.dumps(result.policy)) == result.policy
+    with pytest.raises(ValueError, match="cross the \\[\\[phase\\]\\] bound at step 50"):
+        abt.tune(_model(), policy, _data(), nn.functional.mse_loss, steps=60)

@@ -60,6 +60,7 @@ def test_cli_tune_bad_usage_and_bad_input(tmp_path, monkeypatch, capsys):
         (base + ["--data", "tune_cli_user_b:nothing"], 2, "has no attribute 'nothing'"),
         (base + ["--data", "tune_cli_user_b:batches", "--dtypes", "int8"], 2, "--dtypes takes"),
         (base + ["--data", "tune_cli_user_b:batches", "--steps", "0"], 2, "--steps must be >= 1"),
+        (base + ["--data", "tune_cli_user_b:batches", "--tolerance", "-1"], 2, "--tolerance takes a loss gap >= 0"),
         (base + ["--data", "tune_cli_user_b:broken"], 1, "the callable raised RuntimeError: no data here"),
         (["tune", "missing.toml", "--model", "a:b", "--data", "a:b", "--loss", "a:b"], 1, "missing.toml"),
     ]

@@ -104,5 +104,71 @@ def test_bad_arguments_are_refused_by_name():
     run = _simulated([1.0], [])
     with pytest.raises(ValueError, match="'float8_e4m3fn' is not a compute dtype tune considers"):
         tune_policy(ampbridge.preset("mixed_float16"), run, dtypes=("float8_e4m3fn",))
-    with pytest.raises(ValueError, match="without \\[\\[phase\\]\\]"):
-        tune_policy(ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 2\n'), run)
+    with pytest.raises(ValueError, match="tune runs steps 0 to 3, which cross the \\[\\[phase\\]\\] bound at step 2"):
+        tune_policy(ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 2\n'), run, steps=4)
+
+
+PHASED = """compute_dtype = "float16"
+keep_float32 = ["l9"]
+[[phase]]
+until_step = 100
+keep_float32 = ["l8"]
+[[phase]]
+until_step = 200
+"""
+
+
+def test_a_policy_with_phases_gets_the_pins_in_the_phase_its_steps_run_in():
+    calls = []
+    policy = ampbridge.loads(PHASED)
+    result = tune_policy(policy, _simulated([1.0, 1e6, 1.0], calls), steps=8)
+    # the runs saw the first phase's complete policy, no schedule
+    assert all(not c.phases for c in calls) and calls[1] == policy.at(step=0)
+    assert result.added == ("l1", "l2")
+    assert result.policy.phases[0].policy.keep_float32 == ("l8", "l1", "l2")
+    assert result.policy.phases[1].policy == policy.phases[1].policy  # the other phase as it was
+    assert result.policy.keep_float32 == ("l9",)
+    assert ampbridge.loads(ampbridge.dumps(result.policy)) == result.policy
+    assert "phase 1" in result.reason
+    assert result.diff().splitlines()[-1] == '+keep_float32 = ["l8", "l1", "l2"]'
+
+
+def _diverging(bad_layers, gaps):
+    """``run(policy)``: finite; each unpinned layer in ``bad_layers`` adds its share to the loss gap
+    (``gaps[layer]``); the per-layer gradient RMS of the others differs a little from the reference."""
+
+    def run(policy):
+        ref = policy.compute_dtype == "float32"
+        extra = 0.0 if ref else sum(gaps[p] for p in bad_layers if p not in policy.keep_float32)
+        layers = {p: {"grad_rms": 1.0 + (0 if ref else (0.5 if p == "loud" else 0.01)), "zero": 0.0,
+                      "underflow": 0.0} for p in ("l0", "loud", "l2")}
+        steps = [{"step": i, "loss": 1.0 + extra, "loss_scale": 1.0, "found_inf": False, "skipped": False,
+                  "layers": layers, "first_nonfinite": None} for i in range(2)]
+        return RunLog({"layers": ["l0", "loud", "l2"]}, steps)
+
+    return run
+
+
+def test_a_finite_run_over_the_tolerance_gets_the_pin_that_lowers_its_gap():
+    # "loud" differs most but pinning it does not help; "l0" (earliest) carries the gap
+    result = tune_policy(ampbridge.preset("mixed_bfloat16"), _diverging(["l0"], {"l0": 0.5}))
+    assert result.added == ("l0",) and result.chosen.gap_before == 0.5 and result.chosen.gap_after == 0.0
+    assert result.evidence["l0"].diverged and not result.evidence["loud"].pinned
+    assert result.chosen.runs == 3  # the policy run, the undone pin on "loud", the kept pin on "l0"
+    # the divergence step off: the run is finite, nothing pinned, the gap stays
+    off = tune_policy(ampbridge.preset("mixed_bfloat16"), _diverging(["l0"], {"l0": 0.5}), tries=0)
+    assert off.added == () and not off.chosen.close
+
+
+def test_a_pin_that_does_not_lower_the_gap_is_undone_and_said():
+    # the gap comes from no layer tune can pin (say a layer without parameters)
+    result = tune_policy(ampbridge.preset("mixed_bfloat16"), _diverging(["nobody"], {"nobody": 0.2}), tolerance=0.1)
+    assert result.added == () and result.chosen.finite and not result.chosen.close
+    assert "did not lower it" in result.reason and "'loud'" in result.reason
+
+
+def test_tolerance_is_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="tolerance: -1 is not accepted"):
+        tune_policy(ampbridge.preset("mixed_float16"), _simulated([1.0], []), tolerance=-1)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...core.policy import Policy
 from ...diagnostics.runlog import RunLog, read_log
-from ...diagnostics.tune import StepCycle, TuneResult, tune_policy
+from ...diagnostics.tune import TOLERANCE, StepCycle, TuneResult, tune_policy
 from ..common import as_policy
 from .apply import apply
 from .loss_scale import optimizer as scaled_optimizer
@@ -43,7 +43,8 @@ def _stack(cycle: StepCycle) -> tuple[Any, Any, int]:
 
 def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any, *, steps: int = 8,
          dtypes: Iterable[str] | None = None, optimizer: Callable[[], Any] | None = None,
-         seed: int = 0, progress: Callable[[str], None] | None = None) -> TuneResult:
+         seed: int = 0, progress: Callable[[str], None] | None = None,
+         tolerance: float = TOLERANCE) -> TuneResult:
     """The pins ``policy`` needs on ``model``, found from ``steps`` ``fit`` steps on clones.
 
     ``data``: ``(x, y)`` batches of one size (the first ``steps``, cycled if there are fewer);
@@ -69,4 +70,5 @@ def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any
             callback.close()
             return read_log(path)
 
-        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="keras", steps=steps, progress=progress)
+        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="keras", steps=steps, progress=progress,
+                           tolerance=tolerance)

@@ -34,6 +34,7 @@ from .plan import STREAM_REFUSED, plan  # noqa: E402  (plan: static, traced when
 from .trace import trace  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 from .schedule import PhaseCallback  # noqa: E402
+from .tune import tune  # noqa: E402
 
 __all__ = [
     "Monitor",
@@ -56,6 +57,7 @@ __all__ = [
     "set_matmul_precision",
     "state_of",
     "trace",
+    "tune",
     "walk",
 ]
 

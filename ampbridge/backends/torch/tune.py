@@ -13,7 +13,7 @@ import torch
 
 from ...core.policy import Policy
 from ...diagnostics.runlog import RunLog, read_log
-from ...diagnostics.tune import StepCycle, TuneResult, tune_policy
+from ...diagnostics.tune import TOLERANCE, StepCycle, TuneResult, tune_policy
 from ..common import as_policy
 from .apply import apply
 
@@ -49,7 +49,8 @@ def _train(model: torch.nn.Module, policy: Policy, batches: StepCycle, loss_fn: 
 def tune(model: torch.nn.Module, policy: Policy | str | Path, batches: Iterable[Any],
          loss_fn: Callable[[Any, Any], Any], *, steps: int = 8, dtypes: Iterable[str] | None = None,
          optimizer: Callable[[Any], Any] | None = None, seed: int = 0,
-         progress: Callable[[str], None] | None = None) -> TuneResult:
+         progress: Callable[[str], None] | None = None,
+         tolerance: float = TOLERANCE) -> TuneResult:
     """The pins ``policy`` needs on ``model``, found from ``steps`` training steps on copies.
 
     ``batches``: ``(inputs, target)`` pairs (``inputs`` a tensor, or a tuple passed positionally);
@@ -78,5 +79,6 @@ def tune(model: torch.nn.Module, policy: Policy | str | Path, batches: Iterable[
         def run(p: Policy) -> RunLog:
             return _train(model, p, cycle, loss_fn, make_opt, seed, Path(tmp), next(count))
 
-        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="torch", steps=steps, progress=progress)
+        return tune_policy(as_policy(policy), run, dtypes=dtypes, framework="torch", steps=steps, progress=progress,
+                           tolerance=tolerance)
 
