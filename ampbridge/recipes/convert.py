@@ -338,8 +338,12 @@ class _Writer(_Findings):
         return Conversion(result, tuple(self.losses), tuple(self.notes), "ampbridge", self.fmt)
 
     # the settings most targets cannot hold at all
-    def common(self, tool: str, *, pins: bool = False, matmul: bool = False, pins_reason: str = "") -> None:
+    def common(self, tool: str, *, pins: bool = False, matmul: bool = False, pins_reason: str = "",
+               fp8: bool = False) -> None:
         p = self.policy
+        if not fp8 and (p.fp8.enabled or any(ph.policy.fp8.enabled for ph in p.phases)):
+            self.loss("fp8", p.fp8.to_dict(), f"{tool} has no float8 setting: the [fp8] layers would run in the "
+                      "compute dtype (write it for transformer-engine, torchao, keras or accelerate)")
         if p.phases:
             self.loss("phase", len(p.phases), f"{tool} holds one fixed setting, not a precision schedule; "
                       "the top-level settings were written (export a phase with policy.at(epoch=N))")
