@@ -178,3 +178,17 @@ def test_detect_and_cli(tmp_path):
     p = subprocess.run(run, capture_output=True, text=True)
     assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert "te.json:1: margin: must be an integer >= 0; received -1" in p.stderr
+
+
+def test_check_compares_the_fp8_table_an_fp8_recipe_decides():
+    policy = Policy(compute_dtype="bfloat16", fp8=Fp8Config(("kind:linear",), amax_history=16))
+    te = recipes.from_transformer_engine({"recipe": "DelayedScaling", "amax_compute_algo": "most_recent"})
+    found = {(d.field, d.policy_value, d.other_value, d.other_setting) for d in recipes.disagreements(policy, te)}
+    assert found == {("fp8.amax_history", 16, 1024, "amax_history_len"),
+                     ("fp8.amax_compute", "max", "most_recent", "amax_compute_algo")}
+    keras = recipes.from_keras({"mode": "float8", "source_name": "mixed_bfloat16", "amax_history_length": 16})
+    assert not [d for d in recipes.disagreements(policy, keras) if "fp8" in d.field]
+    assert [d.field for d in recipes.disagreements(policy.replace(fp8=Fp8Config()), keras) if "fp8" in d.field] == [
+        "fp8.match", "fp8.amax_history"]
+    # a recipe without FP8 settings does not decide [fp8]
+    assert not [d for d in recipes.disagreements(policy, recipes.from_lightning("bf16-mixed")) if "fp8" in d.field]
