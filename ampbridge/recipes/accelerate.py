@@ -232,8 +232,12 @@ def _read_fp8_te(r: _Reader, cfg: Mapping[str, Any]) -> Fp8Config:
                    f"{key.upper()}, which TERecipeKwargs does not read (it reads {name}): TE gets the default")
     if cfg.get("interval", 1) != 1:
         r.loss("fp8_config.interval", cfg["interval"], "ampbridge updates the scale every step (TE 2.x has no interval)")
-    if any(cfg.get("override_linear_precision") or ()):
-        r.loss("fp8_config.override_linear_precision", cfg["override_linear_precision"],
+    olp = cfg.get("override_linear_precision")
+    if olp is not None and not (isinstance(olp, (list, tuple)) and len(olp) == 3):
+        r.problem(("fp8_config", "override_linear_precision"), "must be three booleans (fprop, dgrad, wgrad)",
+                  value=olp, accepted="[false, false, false] and the like")
+    elif olp is not None and any(olp):
+        r.loss("fp8_config.override_linear_precision", olp,
                "ampbridge runs the forward and both backward matmuls of a float8 layer in float8")
     if cfg.get("use_mxfp8_block_scaling"):
         r.loss("fp8_config.use_mxfp8_block_scaling", True, "MXFP8 block scaling has no ampbridge equivalent; read "

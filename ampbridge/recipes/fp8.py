@@ -69,7 +69,7 @@ def _te_format(r: _Reader, value: Any, path: tuple) -> tuple[str, str]:
         name: Any = value.name
     else:
         name = value.split(".")[-1].upper() if isinstance(value, str) else value  # "Format.HYBRID" too
-    if name in TE_FORMATS:
+    if isinstance(name, str) and name in TE_FORMATS:
         return TE_FORMATS[name]
     r.problem(path, "not a Transformer Engine FP8 training format", value=value, accepted="HYBRID, E4M3",
               hint="TE refuses E5M2 alone for training" if name == "E5M2" else None)
@@ -89,7 +89,7 @@ def from_transformer_engine(recipe: Mapping[str, Any], *, source: str | None = N
         raise PolicyError([Problem("a Transformer Engine recipe must be a mapping of its constructor arguments",
                                    file=source, value=recipe)])
     kind = recipe.get("recipe")
-    if kind not in _TE_DEFAULTS:
+    if not isinstance(kind, str) or kind not in _TE_DEFAULTS:
         raise PolicyError([Problem("not a Transformer Engine FP8 recipe class", key="recipe", file=source, value=kind,
                                    accepted=", ".join(_TE_DEFAULTS),
                                    hint="MXFP8/NVFP4 block scaling has no ampbridge equivalent" if kind else None)])
@@ -189,13 +189,16 @@ def _ao_cast(r: _Reader, key: str, cfg: Any) -> str | None:
     if not isinstance(cfg, Mapping):
         r.problem((key,), "must be a CastConfig (scaling_type, scaling_granularity, target_dtype)", value=cfg)
         return None
-    if cfg.get("scaling_type", "dynamic") != "dynamic":
-        r.loss(f"{key}.scaling_type", cfg["scaling_type"], "ampbridge casts every matmul operand of a float8 "
-               "layer with dynamic (current) scaling")
-    if cfg.get("scaling_granularity", "tensorwise") != "tensorwise":
-        r.loss(f"{key}.scaling_granularity", cfg["scaling_granularity"], "ampbridge scales per tensor (tensorwise)")
+    for field, accepted, what in (("scaling_type", ("dynamic", "disabled"), "casts every matmul operand of a "
+                                   "float8 layer with dynamic (current) scaling"),
+                                  ("scaling_granularity", ("tensorwise", "axiswise"), "scales per tensor (tensorwise)")):
+        value = cfg.get(field, accepted[0])
+        if not isinstance(value, str) or value not in accepted:
+            r.problem((key, field), f"not a torchao {field}", value=value, accepted=", ".join(accepted))
+        elif value != accepted[0]:
+            r.loss(f"{key}.{field}", value, f"ampbridge {what}")
     dtype = cfg.get("target_dtype")
-    if dtype not in _AO_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _AO_DTYPES:
         r.problem((key, "target_dtype"), "not a float8 dtype ampbridge carries", value=dtype,
                   accepted=", ".join(_AO_DTYPES))
         return None
@@ -277,6 +280,9 @@ def keras_float8_read(r: _Reader, config: Mapping[str, Any]) -> tuple[str, Fp8Co
     """A ``QuantizedFloat8DTypePolicy`` config (``mode``, ``source_name``, ``amax_history_length``) -> (source, fp8)."""
     if "config" in config and config.get("class_name") == "QuantizedFloat8DTypePolicy":
         config = config["config"]
+    if not isinstance(config, Mapping):
+        raise PolicyError([Problem("a QuantizedFloat8DTypePolicy config must be a mapping", key="config",
+                                   value=config, accepted="mode, source_name, amax_history_length")])
     r.check_keys(config, ("mode", "source_name", "amax_history_length", "name"), (),
                  "a Keras QuantizedFloat8DTypePolicy config")
     name = str(config.get("name", ""))

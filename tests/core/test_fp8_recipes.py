@@ -192,3 +192,23 @@ def test_check_compares_the_fp8_table_an_fp8_recipe_decides():
         "fp8.match", "fp8.amax_history"]
     # a recipe without FP8 settings does not decide [fp8]
     assert not [d for d in recipes.disagreements(policy, recipes.from_lightning("bf16-mixed")) if "fp8" in d.field]
+
+
+HOSTILE = [
+    ("transformer-engine", x) for x in (None, 1, "x", [], {"recipe": ["x"]}, {"recipe": "DelayedScaling",
+                                        "fp8_format": ["HYBRID"]}, {"recipe": "DelayedScaling", "fp8_format": {"a": 1}},
+                                        {"recipe": "DelayedScaling", "margin": "1"}, {"recipe": "DelayedScaling",
+                                        "amax_compute_algo": {}}, {"recipe": "DelayedScaling", "margin": 1e9})
+] + [("torchao", x) for x in (None, [], {"cast_config_input": 1}, {"cast_config_input": {"target_dtype": ["x"]}},
+                              {"cast_config_input": {"scaling_type": ["x"], "target_dtype": "float8_e4m3fn"}})] + [
+    ("accelerate", {"mixed_precision": "fp8", "fp8_config": x}) for x in (
+        1, {"backend": ["TE"]}, {"backend": "TE", "fp8_format": ["x"]}, {"backend": "TE", "margin": "x"},
+        {"backend": "TE", "override_linear_precision": 5}, {"backend": "TE", "amax_history_len": 0})] + [
+    ("keras", x) for x in ({"class_name": "QuantizedFloat8DTypePolicy", "config": 5}, {"mode": "int8"},
+                           {"source_name": "nope"}, "float8_from_nope", {"amax_history_length": "x"})]
+
+
+@pytest.mark.parametrize("fmt, data", HOSTILE)
+def test_hostile_input_is_a_policy_error_not_a_crash(fmt, data):
+    with pytest.raises((PolicyError, UnsupportedOptionError)):
+        recipes.read(data, fmt)
