@@ -157,6 +157,12 @@ def test_a_target_without_float8_names_fp8_as_lost(target):
     assert "fp8" not in {x.setting for x in recipes.write(_policy(Fp8Config()), target).losses}
 
 
+def test_fsdp_says_fp8_is_outside_it():
+    notes = recipes.to_fsdp(_policy(Fp8Config(("kind:linear",)))).notes
+    assert any("convert_to_float8_training" in n for n in notes)
+    assert not any("fp8" in n for n in recipes.to_fsdp(_policy(Fp8Config())).notes)
+
+
 def test_nothing_to_write_without_fp8():
     with pytest.raises(UnsupportedOptionError, match=r"\[fp8\] match is empty"):
         recipes.to_transformer_engine(Policy())
