@@ -13,7 +13,13 @@ Records, on the first CUDA device:
     over interleaved rounds: torch on matmul-bound transformer blocks, JAX (against jmp) on a
     matmul-bound MLP;
 (d) peak device memory of each (c) variant (``torch.cuda.max_memory_allocated``; JAX: the
-    compiled step's memory analysis).
+    compiled step's memory analysis);
+(e) FP8 on torch, where the GPU has float8 tensor cores (compute capability >= 8.9): ampbridge's
+    ``[fp8] scaling = "current"`` against native torchao (``convert_to_float8_training`` with
+    ``Float8LinearConfig()``, emulate=False) under bfloat16 autocast, on a matmul-bound MLP: parity
+    (losses and parameters over the steps) and the median step time of each, with the plain
+    bfloat16 step as the baseline. Elsewhere (the CPU, an older GPU, no torchao) the section is one
+    line saying why it was skipped: emulated float8 timings say nothing about a GPU.
 It writes a markdown table (``--out``, default docs/gpu.md).
 
 ``--dry-run`` runs the same code paths on the CPU with tiny sizes in well under a minute (CI runs
@@ -222,6 +228,89 @@ def torch_speed(torch, abt, ampbridge, device: str, d: int, layers: int, batch: 
              "rounds": rounds} for how, compute, _ in variants]
 
 
+# --- (e) FP8: ampbridge's [fp8] against native torchao -------------------------------------------
+
+def fp8_skip_reason(torch, device: str) -> str | None:
+    """Why the FP8 rows cannot measure a GPU here, or None when they can."""
+    if device != "cuda":
+        return "skipped: no CUDA device (float8 matmuls need compute capability 8.9+; the CPU only emulates them)"
+    cap = tuple(torch.cuda.get_device_capability())
+    if cap < (8, 9):
+        return (f"skipped: compute capability {cap[0]}.{cap[1]} has no float8 tensor cores (8.9+ does); torchao "
+                "would emulate")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "skipped: torchao is not installed (pip install 'ampbridge[torch-fp8]')"
+    return None
+
+
+def _fp8_runner(torch, abt, ampbridge, device: str, d: int, layers: int, how: str, emulate: bool):
+    """(step, model): ``how`` is ampbridge ([fp8] current scaling), native (torchao) or bfloat16 (no FP8)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(d, 4 * d), nn.GELU(),
+                                                                 nn.Linear(4 * d, d))]).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if how == "ampbridge":
+        amp = abt.apply(model, ampbridge.Policy(
+            compute_dtype="bfloat16", loss_scale=ampbridge.LossScaleConfig(mode="none", skip_nonfinite=False),
+            fp8=ampbridge.Fp8Config(("kind:linear",), scaling="current")))
+
+        def step(x):
+            with amp.autocast():
+                loss = model(x).float().square().mean()
+            amp.step(loss, opt)
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step, model
+    if how == "native":
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=emulate))
+
+    def step(x):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step, model
+
+
+def fp8_checks(torch, abt, ampbridge, device: str, d: int, layers: int, batch: int, rounds: int, steps: int,
+               parity_steps: int, emulate: bool = False) -> tuple[dict, list[dict]]:
+    """(parity row, speed rows) of ampbridge's [fp8] against native torchao; ``emulate`` only for the CPU test."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(batch, d, generator=g).to(device) for _ in range(parity_steps)]
+    runs = {}
+    for how in ("ampbridge", "native"):
+        step, model = _fp8_runner(torch, abt, ampbridge, device, d, layers, how, emulate)
+        runs[how] = ([float(step(x).detach()) for x in batches], [p.detach().cpu() for p in model.parameters()])
+    parity = {"framework": "torch fp8", "device": device, "steps": parity_steps,
+              "max_loss_diff": max(abs(a - b) for a, b in zip(runs["ampbridge"][0], runs["native"][0])),
+              "identical_params": all(torch.equal(a, b) for a, b in zip(runs["ampbridge"][1], runs["native"][1]))}
+    runners = {how: _fp8_runner(torch, abt, ampbridge, device, d, layers, how, emulate)[0]
+               for how in ("bfloat16", "native", "ampbridge")}
+    x = batches[0]
+    for step in runners.values():
+        for _ in range(3):  # warm up (torchao's casts, cuBLAS autotuning)
+            step(x)
+    sync()
+    times = {k: [] for k in runners}
+    keys = list(runners)
+    for r in range(rounds):  # interleaved, order rotating
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[k].append(_time(lambda k=k: runners[k](x), sync, steps))
+    base = statistics.median(times["bfloat16"])
+    speed = [{"framework": "torch fp8", "how": how, "compute": "float8" if how != "bfloat16" else "bfloat16",
+              "ms": statistics.median(times[how]) * 1e3, "speedup": base / statistics.median(times[how]),
+              "peak_mib": None, "rounds": rounds} for how in keys]
+    return parity, speed
+
+
 # --- JAX: parity with jmp, speed and memory -----------------------------------------------------
 
 def jax_checks(d: int, layers: int, batch: int, seq: int, rounds: int, steps: int, parity_steps: int) -> tuple:
@@ -406,7 +495,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
-def report(info: list[str], plan_rows, parity, speed) -> str:
+def report(info: list[str], plan_rows, parity, speed, fp8=None) -> str:
     out = ["# GPU check (`python benchmarks/gpu.py`)", "", *info, "",
            "## (a) torch Plan: claimed CUDA compute dtype against the dispatcher", ""]
     bad = [r for r in plan_rows if r["match"] is False]
@@ -424,6 +513,16 @@ def report(info: list[str], plan_rows, parity, speed) -> str:
     out += _table(["framework", "variant", "compute", "ms/step (median)", "speedup vs float32", "peak MiB", "rounds"],
                   [[s["framework"], s["how"], s["compute"], s["ms"], s["speedup"], s["peak_mib"], s["rounds"]]
                    for s in speed])
+    out += ["", "## (e) FP8: ampbridge [fp8] (current scaling) against native torchao, bfloat16 autocast", ""]
+    if isinstance(fp8, str) or fp8 is None:
+        out.append(fp8 or "not run")
+    else:
+        fp8_parity, fp8_speed = fp8
+        out += _table(["variant", "steps", "max loss difference", "parameters bit-identical"],
+                      [["ampbridge vs native torchao", fp8_parity["steps"], fp8_parity["max_loss_diff"],
+                        fp8_parity["identical_params"]]])
+        out += [""] + _table(["variant", "compute", "ms/step (median)", "speedup vs bfloat16", "rounds"],
+                             [[s["how"], s["compute"], s["ms"], s["speedup"], s["rounds"]] for s in fp8_speed])
     return "\n".join(out) + "\n"
 
 
@@ -471,12 +570,18 @@ def main(argv: list[str]) -> int:
     speed += jax_speed
     parity += keras_parity(kbackends, parity_steps, 16 if args.dry_run else 256)
     marks.append(("keras", time.perf_counter()))
+    fp8 = fp8_skip_reason(torch, device)
+    print(f"(e) FP8: {fp8 or 'measuring'}", file=sys.stderr)
+    if fp8 is None:
+        fp8 = fp8_checks(torch, abt, ampbridge, device, d=4096, layers=2, batch=4096, rounds=sizes["rounds"],
+                         steps=sizes["steps"], parity_steps=parity_steps)
+        marks.append(("fp8", time.perf_counter()))
     took = ", ".join(f"{b[0]} {b[1] - a[1]:.0f} s" for a, b in zip(marks, marks[1:]))
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (dry run on the CPU: no GPU numbers)"
     info = [f"- date: {time.strftime('%Y-%m-%d %H:%M')}; device: {gpu}; {platform.platform()}",
             f"- torch {torch.__version__}; sizes {sizes}; parity over {parity_steps} steps; "
             f"took {time.perf_counter() - started:.0f} s ({took})"]
-    text = report(info, plan_rows, parity, speed)
+    text = report(info, plan_rows, parity, speed, fp8)
     if args.out or not args.dry_run:
         Path(args.out or DEFAULT_OUT).write_text(text)
         print(f"written to {args.out or DEFAULT_OUT}")

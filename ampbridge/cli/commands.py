@@ -294,6 +294,8 @@ def _render_result(result: Any, fmt: str, conversion: Any) -> str:
         if kwargs:
             args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
             lines.append(f"# in code: Accelerator(kwargs_handlers=[GradScalerKwargs({args})])")
+        if result.get("fp8_config"):  # the YAML's fp8_config section
+            lines += ["fp8_config:"] + [f"  {k}: {json.dumps(v)}" for k, v in result["fp8_config"].items()]
         return "\n".join(lines) + "\n"
     if fmt == "jmp":
         return f"{result}\n"

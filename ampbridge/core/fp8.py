@@ -23,6 +23,11 @@ Two scalings, as the ``[fp8]`` table's ``scaling`` names them:
 
 Every arithmetic step is rounded to float32 (:func:`ampbridge.core.loss_scale.f32`: a double
 operation on float32 operands rounded once to float32 is the correctly rounded float32 result).
+``flush_denormals`` (the default) computes as XLA and TensorFlow do on CPU and GPU, with float32
+subnormals as zero (an amax below 2**-126 keeps the divisor; a divisor that would be subnormal is
+0): Flax, and Keras on its JAX and TensorFlow backends. Keras on the torch backend computes with
+subnormals (``flush_denormals=False``); the two differ only for amaxes below 2**-126 or above
+about 2**118 (e4m3).
 
 Example:
     >>> current_scale(1.0, "e4m3")
@@ -42,11 +47,13 @@ from dataclasses import dataclass
 
 from .loss_scale import f32
 
-__all__ = ["FP8_MAX", "TORCHAO_EPS", "current_scale", "delayed_initial", "delayed_step", "delayed_trajectory",
+__all__ = ["FP8_MAX", "F32_TINY", "TORCHAO_EPS", "current_scale", "delayed_initial", "delayed_step", "delayed_trajectory",
            "history_amax", "Fp8ScaleState", "amax_of"]
 
 #: the largest finite value of each format (float8_e4m3fn: no inf; float8_e5m2: IEEE-like)
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+#: the smallest normal float32; below it XLA and TensorFlow compute as if 0 (denormals are zero)
+F32_TINY = 2.0 ** -126
 #: torchao's floor on amax before dividing (``torchao.float8.float8_utils.EPS``)
 TORCHAO_EPS = 1e-12
 
@@ -109,25 +116,32 @@ def history_amax(history: Sequence[float], amax_compute: str = "max") -> float:
     return math.nan if any(math.isnan(h) for h in history) else max(history)
 
 
+def _flush(x: float) -> float:
+    return math.copysign(0.0, x) if abs(x) < F32_TINY else x
+
+
 def delayed_step(state: Fp8ScaleState, amax: float, fmt: str, *, margin: int = 0,
-                 amax_compute: str = "max") -> Fp8ScaleState:
+                 amax_compute: str = "max", flush_denormals: bool = True) -> Fp8ScaleState:
     """One training step of delayed scaling: ``amax`` is this step's float32 amax of the tensor."""
     top = _fp8_max(fmt)
-    a = history_amax(state.history, amax_compute)
+    ftz = _flush if flush_denormals else (lambda x: x)
+    a = ftz(history_amax(state.history, amax_compute))
     if a > 0.0 and math.isfinite(a):
-        sf = _div(_div(top, a), 2.0 ** margin)
+        sf = ftz(_div(ftz(_div(top, a)), 2.0 ** margin))
     else:
-        sf = _div(1.0, state.divisor)
+        sf = ftz(_div(1.0, ftz(state.divisor)))
     rolled = list(state.history[1:] + state.history[:1])
-    rolled[0] = f32(amax)
-    return Fp8ScaleState(_div(1.0, sf), tuple(rolled))
+    rolled[0] = f32(amax)  # stored as computed: the history keeps a subnormal amax
+    return Fp8ScaleState(ftz(_div(1.0, sf)), tuple(rolled))
 
 
 def delayed_trajectory(amaxes: Iterable[float], fmt: str, history_length: int, *, margin: int = 0,
-                       amax_compute: str = "max", divisor: float = 1.0) -> list[Fp8ScaleState]:
+                       amax_compute: str = "max", divisor: float = 1.0,
+                       flush_denormals: bool = True) -> list[Fp8ScaleState]:
     """The state after each step of a sequence of per-step amaxes."""
     state, out = delayed_initial(history_length, divisor), []
     for amax in amaxes:
-        state = delayed_step(state, amax, fmt, margin=margin, amax_compute=amax_compute)
+        state = delayed_step(state, amax, fmt, margin=margin, amax_compute=amax_compute,
+                             flush_denormals=flush_denormals)
         out.append(state)
     return out

@@ -1,5 +1,6 @@
 """``ampbridge doctor``: per installed framework, its devices, the dtypes they run natively,
-what ``compute_dtype = "auto"`` chooses and why, and the float32 matmul (TF32) state.
+what ``compute_dtype = "auto"`` chooses and why, whether float8 matmuls run natively or emulated,
+and the float32 matmul (TF32) state.
 
 Frameworks are imported here on purpose (this command is about them), each only if installed.
 
@@ -32,6 +33,31 @@ def native_dtypes(device: Device) -> list[str]:
     return ["float32"]
 
 
+#: the first CUDA compute capability with float8 tensor cores (Ada 8.9; Hopper is 9.0)
+FP8_CAPABILITY = (8, 9)
+#: how each framework's float8 path multiplies where the hardware has float8 units
+_FP8_NATIVE = {"torch": "native (torchao: torch._scaled_mm)",
+               "jax": "native (XLA rewrites the float8 dot into a float8 GEMM)",
+               "tensorflow": "native where XLA compiles the step (jit_compile=True), else emulated"}
+
+
+def float8_support(device: Device, framework: str = "torch") -> str:
+    """Whether ``framework``'s float8 matmuls run natively on ``device`` or are emulated (real float8
+    casts, the product in a wider dtype), as the ``[fp8]`` Plan rows say.
+
+    Example:
+        >>> float8_support(Device("cuda", capability=(9, 0))), float8_support(Device("cpu"))
+        ('native (torchao: torch._scaled_mm)', 'emulated')
+    """
+    if device.platform == "cuda" and device.capability and tuple(device.capability) >= FP8_CAPABILITY:
+        return _FP8_NATIVE[framework]
+    if device.platform == "cuda":
+        return "emulated (float8 tensor cores need compute capability 8.9)"
+    if device.platform in ("cpu", "mps"):
+        return "emulated"
+    return "unknown (ampbridge does not know this platform's float8 units)"
+
+
 def _torch() -> dict[str, Any]:
     import torch
 
@@ -42,7 +68,9 @@ def _torch() -> dict[str, Any]:
     matmul = (f"float32 matmul precision {torch.get_float32_matmul_precision()!r}; "
               f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
               f"cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}")
-    return {"version": torch.__version__, "devices": devices, "matmul": matmul}
+    fp8 = ("[fp8]: torchao Float8Linear" if importlib.util.find_spec("torchao") else
+           "[fp8]: refused (torchao is not installed: pip install ampbridge[torch-fp8])")
+    return {"version": torch.__version__, "devices": devices, "matmul": matmul, "float8": ("torch", fp8)}
 
 
 def _tensorflow() -> dict[str, Any]:
@@ -66,8 +94,9 @@ def _tensorflow() -> dict[str, Any]:
         matmul += " (torch, JAX and jit_compile=True round to nearest: bfloat16 results drift from theirs)"
     import keras
 
+    fp8 = ("tensorflow", "[fp8]: Keras's model.quantize('float8') (on the JAX backend XLA compiles it: see jax)")
     return {"version": f"{tf.__version__} (keras {keras.__version__}, backend {keras.backend.backend()})",
-            "devices": devices, "matmul": matmul}
+            "devices": devices, "matmul": matmul, "float8": fp8}
 
 
 def _jax() -> dict[str, Any]:
@@ -84,7 +113,8 @@ def _jax() -> dict[str, Any]:
         else:
             devices.append(Device(d.platform, d.device_kind))
     matmul = f"jax_default_matmul_precision={jax.config.jax_default_matmul_precision!r}"
-    return {"version": jax.__version__, "devices": devices, "matmul": matmul}
+    fp8 = ("jax", "[fp8]: Flax fp8_ops (Keras float8 on the JAX backend compiles the same way)")
+    return {"version": jax.__version__, "devices": devices, "matmul": matmul, "float8": fp8}
 
 
 PROBES = (("torch", "torch", _torch), ("tensorflow/keras", "tensorflow", _tensorflow), ("jax", "jax", _jax))
@@ -111,9 +141,13 @@ def doctor(frameworks: list[str] | None = None) -> str:
             continue
         lines.append(f"\n{label} {info['version']}")
         rows = []
+        fw, fp8_by = info.get("float8", ("torch", None))
         for d in info["devices"]:
             choice, reason = auto_dtype(d)
-            rows.append((d.describe(), ", ".join(native_dtypes(d)), choice, reason.split(": ", 1)[-1]))
-        lines.append(render_table(("device", "native dtypes", "auto", "why"), rows))
+            rows.append((d.describe(), ", ".join(native_dtypes(d)), choice, reason.split(": ", 1)[-1],
+                         float8_support(d, fw)))
+        lines.append(render_table(("device", "native dtypes", "auto", "why", "float8 matmul"), rows))
         lines.append(info["matmul"])
+        if fp8_by:
+            lines.append(fp8_by)
     return "\n".join(lines)

@@ -21,6 +21,8 @@ grad-scaler     ``from_grad_scaler(state_dict_or_kwargs)``    ``to_grad_scaler(p
 flax            ``from_flax(dynamic_scale_kwargs)``           ``to_flax(policy)`` -> dict | None
 fsdp            (write only)                                 ``to_fsdp(policy, plan=None)`` -> dict
 optax           ``from_optax(apply_if_finite_kwargs)``        ``to_optax(policy)`` -> dict | None
+te (FP8)        ``from_transformer_engine(recipe_args)``      ``to_transformer_engine(policy)`` -> dict
+torchao (FP8)   ``from_torchao(Float8LinearConfig | dict)``   ``to_torchao(policy)`` -> dict
 ==============  ===========================================  =====================================
 
 ``load(path)`` / ``loads(text)`` read a file or text and detect its format; ``ampbridge convert`` goes
@@ -73,6 +75,7 @@ from .formats import (
     read,
     write,
 )
+from .fp8 import from_torchao, from_transformer_engine, to_torchao, to_transformer_engine
 from .fsdp import to_fsdp
 from .grad_scaler import from_grad_scaler, to_grad_scaler
 from .jmp import from_jmp, to_jmp
@@ -108,6 +111,10 @@ __all__ = [
     "from_optax",
     "to_optax",
     "to_fsdp",
+    "from_transformer_engine",
+    "to_transformer_engine",
+    "from_torchao",
+    "to_torchao",
     "detect",
     "load",
     "loads",

@@ -29,7 +29,7 @@ def disagreements(policy: Policy, other: Conversion) -> list[Disagreement]:
         result = policy.replace(loss_scale=result, phases=())
     if not isinstance(result, Policy):
         raise TypeError(f"disagreements needs a conversion to a Policy or LossScaleConfig, got {_type_name(result)}")
-    fields = [f for f in POLICY_FIELDS if f in other.covers]
+    fields = [f for f in (*POLICY_FIELDS, "fp8") if f in other.covers]  # fp8: only an FP8 recipe decides it
     out = []
     for name, mine, theirs in differences(policy.replace(phases=()), result.replace(phases=()), fields):
         origin = other.origins.get(name) or other.origins.get(name.split(".")[0])

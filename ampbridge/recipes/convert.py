@@ -279,7 +279,8 @@ def loss_scale_view(cfg: LossScaleConfig, compute_dtype: str) -> dict[str, Any]:
 def differences(a: Policy, b: Policy, fields: Iterable[str] = POLICY_FIELDS) -> list[tuple[str, Any, Any]]:
     """``(field, a's value, b's value)`` for every field (among ``fields``) where two policies differ.
 
-    Loss-scale settings compare through :func:`loss_scale_view` (``loss_scale.<key>``).
+    Loss-scale settings compare through :func:`loss_scale_view` (``loss_scale.<key>``); ``fp8`` (not
+    among the defaults) compares the ``[fp8]`` table key by key (``fp8.<key>``).
 
     Example:
         >>> import ampbridge
@@ -306,6 +307,9 @@ def differences(a: Policy, b: Policy, fields: Iterable[str] = POLICY_FIELDS) -> 
                     continue
                 if va.get(key) != vb.get(key):
                     out.append((f"loss_scale.{key}", va.get(key), vb.get(key)))
+        elif name == "fp8":  # key by key (to_dict leaves out what current scaling does not read)
+            fa, fb = a.fp8.to_dict(), b.fp8.to_dict()
+            out += [(f"fp8.{k}", fa.get(k), fb.get(k)) for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)]
         elif name == "phases":
             if a.phases != b.phases:
                 out.append(("phase", len(a.phases), len(b.phases)))
@@ -338,8 +342,12 @@ class _Writer(_Findings):
         return Conversion(result, tuple(self.losses), tuple(self.notes), "ampbridge", self.fmt)
 
     # the settings most targets cannot hold at all
-    def common(self, tool: str, *, pins: bool = False, matmul: bool = False, pins_reason: str = "") -> None:
+    def common(self, tool: str, *, pins: bool = False, matmul: bool = False, pins_reason: str = "",
+               fp8: bool = False) -> None:
         p = self.policy
+        if not fp8 and (p.fp8.enabled or any(ph.policy.fp8.enabled for ph in p.phases)):
+            self.loss("fp8", p.fp8.to_dict(), f"{tool} has no float8 setting: the [fp8] layers would run in the "
+                      "compute dtype (write it for transformer-engine, torchao, keras or accelerate)")
         if p.phases:
             self.loss("phase", len(p.phases), f"{tool} holds one fixed setting, not a precision schedule; "
                       "the top-level settings were written (export a phase with policy.at(epoch=N))")

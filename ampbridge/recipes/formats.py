@@ -19,6 +19,7 @@ from .convert import POLICY_FIELDS, Conversion, _parse_recipe, _read_file
 from .deepspeed import from_deepspeed, to_deepspeed
 from .flax import from_flax, to_flax
 from .optax import from_optax, to_optax
+from .fp8 import from_torchao, from_transformer_engine, to_torchao, to_transformer_engine
 from .fsdp import to_fsdp
 from .grad_scaler import from_grad_scaler, to_grad_scaler
 from .jmp import _JMP_NAMES, from_jmp, to_jmp
@@ -26,9 +27,9 @@ from .keras import _KERAS, from_keras, to_keras
 from .lightning import _LIGHTNING_ALIASES, _LIGHTNING_ALL, from_lightning, to_lightning
 
 READ_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "jmp", "grad-scaler", "flax",
-                "optax")
+                "optax", "transformer-engine", "torchao")
 WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "jmp", "grad-scaler", "flax",
-                 "optax", "fsdp")
+                 "optax", "fsdp", "transformer-engine", "torchao")
 
 
 # --- reading files and text; detecting the format -------------------------------------------------
@@ -37,11 +38,11 @@ _READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "ampbridge": (), "deepspeed": ("auto", "version", "release"),
     "accelerate": ("grad_scaler_kwargs", "base_dir", "version", "release", "device", "accelerate_version"),
     "lightning": ("grad_scaler", "device", "api", "lightning_version"), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
-    "flax": (), "optax": (),
+    "flax": (), "optax": (), "transformer-engine": (), "torchao": (),
 }
 _WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
     "ampbridge": (), "deepspeed": ("via", "version", "release", "stage"), "accelerate": (), "lightning": ("lightning_version",), "keras": (), "jmp": (),
-    "grad-scaler": (), "flax": (), "optax": (), "fsdp": ("plan",),
+    "grad-scaler": (), "flax": (), "optax": (), "fsdp": ("plan",), "transformer-engine": (), "torchao": (),
 }
 _DS_MARKERS = {"fp16", "bf16", "bfloat16", "zero_optimization", "torch_autocast", "amp", "train_batch_size",
                "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "communication_data_type",
@@ -82,8 +83,12 @@ def _candidates(data: Any) -> list[str]:
         found.append("optax")
     if keys and keys <= _SHARED_SCALER and "grad-scaler" not in found and "flax" not in found:
         found += ["grad-scaler", "flax"]
-    if keys & {"dynamic_growth_steps", "inner_optimizer"}:
+    if keys & {"dynamic_growth_steps", "inner_optimizer", "amax_history_length", "source_name"}:
         found.append("keras")
+    if data.get("recipe") in ("DelayedScaling", "Float8CurrentScaling"):
+        found.append("transformer-engine")
+    if any(k.startswith("cast_config_") for k in keys):
+        found.append("torchao")
     if keys & _AMPBRIDGE_MARKERS and not found:
         found.append("ampbridge")
     return found
@@ -164,6 +169,10 @@ def read(data: Any, format: str, **options: Any) -> Conversion:
         return from_grad_scaler(data)
     if format == "optax":
         return from_optax(data)
+    if format == "transformer-engine":
+        return from_transformer_engine(data, source=source, _locate=locate)
+    if format == "torchao":
+        return from_torchao(data, source=source, _locate=locate)
     return from_flax(data)
 
 
@@ -179,7 +188,7 @@ def write(policy: Policy, format: str, **options: Any) -> Conversion:
     table: dict[str, Callable[..., Conversion]] = {
         "deepspeed": to_deepspeed, "accelerate": to_accelerate, "lightning": to_lightning, "keras": to_keras,
         "jmp": to_jmp, "grad-scaler": to_grad_scaler, "flax": to_flax, "optax": to_optax,
-        "fsdp": to_fsdp}
+        "fsdp": to_fsdp, "transformer-engine": to_transformer_engine, "torchao": to_torchao}
     if format == "ampbridge":
         return Conversion(policy, source_format="ampbridge", target_format="ampbridge")
     return table[format](policy, **options)

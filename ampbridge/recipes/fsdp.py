@@ -59,6 +59,9 @@ def to_fsdp(policy: Policy, plan: Any = None) -> Conversion:
                "settings were written (wrap again with policy.at(epoch=N) to change phase)")
     if p.matmul_precision != "highest":
         w.note(f"matmul_precision={p.matmul_precision!r} is torch.set_float32_matmul_precision, outside FSDP")
+    if p.fp8.enabled:
+        w.note("[fp8] is torchao's convert_to_float8_training (ampbridge.torch.apply), done before wrapping, outside "
+               "FSDP's mixed precision: write it with to_torchao()")
     if loss_scale_view(p.loss_scale, p.compute_dtype)["mode"] != "none":
         w.note("loss scaling is separate from FSDP: use torch's ShardedGradScaler with to_grad_scaler()'s arguments")
 

@@ -12,6 +12,7 @@ from ..core.loss_scale import f32
 from ..core.matching import did_you_mean
 from ..core.policy import LossScaleConfig, Policy
 from ..errors import PolicyError, Problem, UnsupportedOptionError
+from .fp8 import keras_float8_read, keras_float8_write
 from .convert import (
     _ALL_BUT_MATMUL,
     Conversion,
@@ -74,6 +75,21 @@ def from_keras_loss_scale_optimizer(config: Mapping[str, Any]) -> Conversion:
     return r.done(cfg, ("loss_scale",))
 
 
+def _is_float8(policy: Any) -> bool:
+    if isinstance(policy, str):
+        return policy.startswith("float8_from_")
+    return isinstance(policy, Mapping) and (policy.get("class_name") == "QuantizedFloat8DTypePolicy"
+                                            or bool({"amax_history_length", "source_name", "mode"} & set(policy)))
+
+
+def _from_keras_float8(policy: Any, lso: Mapping[str, Any] | None, factor: float | None) -> Conversion:
+    r = _Reader("keras")
+    source, fp8 = keras_float8_read(r, {"name": policy} if isinstance(policy, str) else policy)
+    inner = from_keras(source, loss_scale_optimizer=lso, loss_scale_factor=factor)
+    return Conversion(inner.result.replace(fp8=fp8), inner.losses + tuple(r.losses), tuple(r.notes) + inner.notes,
+                      "keras", "ampbridge", inner.state, inner.covers | {"fp8"}, {**inner.origins, **r.origins})
+
+
 def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = None,
                loss_scale_factor: float | None = None) -> Conversion:
     """A Keras dtype-policy name (or a LossScaleOptimizer config dict) -> Policy.
@@ -85,11 +101,18 @@ def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = 
     gives the config of the one you use; ``loss_scale_factor`` is a static scale set on the
     optimizer (Keras then skips nothing). A dict is read as a LossScaleOptimizer config alone.
 
+    A float8 policy (``"float8_from_mixed_bfloat16"``, or a ``QuantizedFloat8DTypePolicy`` config
+    with ``amax_history_length``) reads as its source policy plus an ``[fp8]`` table.
+
     Example:
         >>> p = from_keras("mixed_float16").result
         >>> p.compute_dtype, p.param_dtype, p.output_dtype, p.loss_scale.initial_scale
         ('float16', 'float32', 'float16', 32768.0)
+        >>> from_keras("float8_from_mixed_bfloat16").result.fp8.amax_history
+        1024
     """
+    if _is_float8(policy):
+        return _from_keras_float8(policy, loss_scale_optimizer, loss_scale_factor)
     if isinstance(policy, Mapping):
         return from_keras_loss_scale_optimizer(policy)
     r = _Reader("keras")
@@ -156,7 +179,7 @@ def to_keras(policy: Policy) -> Conversion:
     _require_concrete(policy, "Keras")
     w = _Writer("keras", policy)
     p = policy
-    w.common("a Keras dtype policy", pins_reason="one Keras dtype policy covers the model; per-layer pins need "
+    w.common("a Keras dtype policy", fp8=True, pins_reason="one Keras dtype policy covers the model; per-layer pins need "
              "dtype= on each layer (ampbridge.keras.apply does that)")
     name = next((n for n, v in _KERAS.items() if v == (p.compute_dtype, p.param_dtype)), None)
     if name is None:
@@ -189,4 +212,7 @@ def to_keras(policy: Policy) -> Conversion:
             w.note("a static scale is the inner optimizer's loss_scale_factor")
         if view["skip_nonfinite"]:
             w.loss("loss_scale.skip_nonfinite", True, "Keras skips non-finite steps only inside a LossScaleOptimizer")
-    return w.done({"dtype_policy": name, "loss_scale_optimizer": lso, "loss_scale_factor": factor})
+    out = {"dtype_policy": name, "loss_scale_optimizer": lso, "loss_scale_factor": factor}
+    if p.fp8.enabled:  # QuantizedFloat8DTypePolicy(**out["float8"]) on the layers model.quantize("float8") picks
+        out["float8"] = keras_float8_write(w, p.fp8, name)
+    return w.done(out)

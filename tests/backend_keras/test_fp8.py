@@ -141,6 +141,7 @@ def test_the_reference_step_is_keras_quantizers(history, amax, fmt, divisor):
     new_scale = keras.quantizers.compute_float8_scale(keras.ops.max(h, axis=0), keras.ops.convert_to_tensor(
         np.float32(divisor)), keras.ops.cast(top, "float32"))
     new_history = keras.quantizers.compute_float8_amax_history(keras.ops.convert_to_tensor(np.float32([amax])), h)
-    got = delayed_step(state, amax, fmt)
+    # XLA and TF compute with subnormals as zero; torch does not
+    got = delayed_step(state, amax, fmt, flush_denormals=keras.backend.backend() != "torch")
     np.testing.assert_array_equal(np.float32(got.divisor), keras.ops.convert_to_numpy(new_scale))
     np.testing.assert_array_equal(np.float32(got.history), keras.ops.convert_to_numpy(new_history))

@@ -46,7 +46,8 @@ def test_current_scale_edges_are_torchaos():
        st.sampled_from(["max", "most_recent"]))
 def test_delayed_scaling_uses_only_past_amaxes_and_keeps_its_divisor_without_one(seq, length, fmt, margin,
                                                                                  compute):
-    states = delayed_trajectory(seq, fmt, length, margin=margin, amax_compute=compute)
+    # IEEE arithmetic with subnormals (Keras on torch); the flushing default is held to XLA/TF by the backend tests
+    states = delayed_trajectory(seq, fmt, length, margin=margin, amax_compute=compute, flush_denormals=False)
     previous = delayed_initial(length)
     for amax, state in zip(seq, states):
         assert len(state.history) == length
@@ -99,3 +100,15 @@ def test_amax_of_and_bad_arguments():
         history_amax((1.0,), "mean")
     with pytest.raises(ValueError, match=">= 1"):
         delayed_initial(0)
+
+
+def test_flush_denormals_computes_as_xla_and_tensorflow():
+    """A subnormal amax counts as 0 (the divisor is kept) and a subnormal divisor is 0, as XLA and TF compute;
+    without flushing (Keras on torch) 448 / 1e-45 overflows and the divisor is 1 / inf = 0."""
+    s = delayed_step(delayed_step(delayed_initial(2), 1e-45, "e4m3"), 1.0, "e4m3")
+    assert s.divisor == 1.0 and s.history == (1.0, f32(1e-45))
+    s = delayed_step(delayed_step(delayed_initial(2), 1e-45, "e4m3"), 1.0, "e4m3", flush_denormals=False)
+    assert s.divisor == 0.0
+    tiny = f32(448.0 / 3e38)  # 448 / amax = 3e38 is finite; its reciprocal 3.3e-39 is subnormal
+    assert delayed_trajectory([tiny, 1.0], "e4m3", 1)[-1].divisor == 0.0
+    assert delayed_trajectory([tiny, 1.0], "e4m3", 1, flush_denormals=False)[-1].divisor == f32(1 / f32(448.0 / tiny))

@@ -237,8 +237,8 @@ def test_accelerate_deepspeed_reads_the_deepspeed_file_with_auto_filled():
 
 
 def test_accelerate_fp8_and_bad_input():
-    with pytest.raises(UnsupportedOptionError, match="mixed_precision='fp8'"):
-        recipes.from_accelerate({"distributed_type": "MULTI_GPU", "mixed_precision": "fp8"})
+    with pytest.raises(UnsupportedOptionError, match="mixed_precision='fp8' under distributed_type DEEPSPEED"):
+        recipes.from_accelerate({"distributed_type": "DEEPSPEED", "mixed_precision": "fp8"})
     with pytest.raises(PolicyError, match="mixed_precision: not an Accelerate mixed_precision; received 'bf61'"):
         recipes.from_accelerate({"mixed_precision": "bf61"})
     with pytest.raises(PolicyError, match="mixed_precison: unknown key in an Accelerate config; did you mean 'mixed_precision'"):

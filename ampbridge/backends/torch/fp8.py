@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from ...core.plan import Plan
+from ...diagnostics.doctor import float8_support
+from ...diagnostics.hardware import Device
 from ...core.policy import Fp8Config, Policy
 from ...errors import BackendUnavailableError, UnsupportedOptionError
 
@@ -31,9 +33,11 @@ _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def _emulated(device_type: str) -> bool:
+    """No float8 matmul units: the rule ``ampbridge doctor`` reports (``float8_support``)."""
     if device_type != "cuda" or not torch.cuda.is_available():
         return True
-    return torch.cuda.get_device_capability() < (8, 9)
+    device = Device("cuda", capability=tuple(torch.cuda.get_device_capability()))
+    return not float8_support(device).startswith("native")
 
 
 def realised_by(device_type: str) -> str:
