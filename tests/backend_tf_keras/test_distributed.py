@@ -1,7 +1,7 @@
 """MirroredStrategy over two logical CPUs (a subprocess: logical devices are fixed before TensorFlow
 starts): ``fit`` with ampbridge's optimizer skips the injected overflow on every replica, the loss
 scale follows the core reference (Keras 2's own state and the reference state alike), and the
-weights follow the single-device run."""
+weights follow the single-device run; the Monitor refuses a multi-replica strategy by name."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ampbridge._testing import require
 require("tf_keras")
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import contextlib, json, sys
     import numpy as np, tensorflow as tf
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -51,8 +51,16 @@ SCRIPT = textwrap.dedent("""
                 w = np.full(4, np.inf if step == 1 else 1.0, "float32")
                 model.fit(x, y, sample_weight=w, batch_size=4, verbose=0, shuffle=False)
                 scales.append(float(opt.loss_scale.numpy()))
+            refused = []
+            if name == "mirrored":  # the Monitor, made inside the scope and outside it
+                for scope in (strategy.scope(), contextlib.nullcontext()):
+                    with scope:
+                        try:
+                            atk.Monitor("run.jsonl", model)
+                        except ampbridge.UnsupportedOptionError as e:
+                            refused.append(str(e))
             out[name] = {"replicas": strategy.num_replicas_in_sync, "scales": scales,
-                         "weights": [w.tolist() for w in model.get_weights()]}
+                         "weights": [w.tolist() for w in model.get_weights()], "monitor_refused": refused}
         runs.append(out)
     print(json.dumps(runs))
 """)
@@ -83,6 +91,9 @@ def test_mirrored_strategy_follows_the_reference(runs, index):
     cfg = ampbridge.LossScaleConfig(**LOSS_SCALES[index])
     want = [s.scale for s in ampbridge.trajectory(cfg, [step == 1 for step in range(5)])]
     assert out["mirrored"]["replicas"] == 2
+    # the Monitor refuses by name (its statistics would be one replica's gradients, before the all-reduce)
+    assert len(out["mirrored"]["monitor_refused"]) == 2
+    assert all("multi-replica tf.distribute strategy" in e for e in out["mirrored"]["monitor_refused"])
     assert out["mirrored"]["scales"] == out["single"]["scales"] == want
     # float16 layers on two half batches round differently from one whole batch (measured: 5e-5 here)
     for a, b in zip(out["mirrored"]["weights"], out["single"]["weights"], strict=True):
