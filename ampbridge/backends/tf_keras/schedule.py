@@ -50,9 +50,10 @@ class PhaseCallback(tf_keras.callbacks.Callback):
         'epoch'
     """
 
-    def __init__(self, policy: Policy | str):
+    def __init__(self, policy: Policy | str, *, optimizer: Any = None):
         super().__init__()
         self.policy = resolve_policy(policy)[0]
+        self._opt = optimizer  # a custom loop's, when the model is not compiled with it
         self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
         self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
         self._step = 0
@@ -64,7 +65,8 @@ class PhaseCallback(tf_keras.callbacks.Callback):
             raise UnsupportedOptionError(
                 "PhaseCallback: apply the model with this same schedule first (model = ampbridge.tf_keras.apply(model, "
                 "policy)): Keras 2 makes each layer's variables for the dtypes every phase runs in")
-        opt = getattr(self.model, "optimizer", None)
+        opt = self._opt if self._opt is not None else getattr(self.model, "optimizer", None)
+        self._opt = opt
         self._ref = getattr(opt, "_loss_scale", None)
         if not isinstance(self._ref, _ReferenceState):
             raise UnsupportedOptionError(
@@ -100,5 +102,27 @@ class PhaseCallback(tf_keras.callbacks.Callback):
         if cfg != self._ref.config or reset:
             _set_state(self._ref, enter_phase(cfg, _state(self._ref), previous=self._ref.config, reset=reset))
             self._ref.config = cfg
-        # fit calls model.train_function each step: the new one traces the phase's policies and settings
-        self.model.train_function = self.model.make_train_function(force=True)
+        if getattr(self.model, "optimizer", None) is not None:
+            # fit calls model.train_function each step: the new one traces the phase's policies and settings
+            self.model.train_function = self.model.make_train_function(force=True)
+
+    def enter(self, *, step: int | None = None, epoch: int | None = None) -> bool:
+        """A custom loop's boundary check, before each step (``step``) or epoch (``epoch``, for an
+        ``until_epoch`` schedule): sets the phase in force there, as in ``fit``. True when a phase
+        began: trace the loop's ``tf.function`` again (a traced step keeps the dtypes it was traced
+        with). Call ``set_model(model)`` first; the optimizer is the model's, or ``optimizer=``.
+
+        Example:
+            >>> # cb = PhaseCallback(policy, optimizer=opt); cb.set_model(model)
+            >>> # for step, batch in enumerate(data):
+            >>> #     if cb.enter(step=step): train_step = tf.function(one_step)
+        """
+        unit = self.policy.phase_unit or "step"
+        at = step if unit == "step" else epoch
+        if at is None:
+            raise ValueError(f"PhaseCallback.enter: this schedule changes phase by {unit}; pass {unit}=N")
+        if self.phase == -1:
+            self.on_train_begin()
+        before = self.phase
+        self._enter(self.policy.phase_index(**{unit: at}) if self.policy.phases else None, at, **{unit: at})
+        return self.phase != before
