@@ -206,3 +206,61 @@ def walk_tree(root: Any, children: Callable[[Any], list[tuple[str, Any]]]) -> It
             used.add(segment)
             kids.append((f"{path}.{segment}" if path else segment, child))
         stack.extend(reversed(kids))
+
+
+# --- a [[phase]] schedule's clock in a fit callback (Keras 3 and tf.keras 2) ------------------------
+
+class PhaseClock:
+    """The step and epoch bookkeeping of a ``fit`` callback running a ``[[phase]]`` schedule, framework-free:
+    mixed in before the framework's ``Callback`` class, it calls :meth:`_enter` at each epoch (or step,
+    for ``until_step``) boundary and records each switch; the backend's ``_switch(index, first, **where)``
+    does the switching (``first``: the phase the run starts in). ``on_train_batch_end`` calls the next
+    class's too (Keras 3's ``LossScaleCallback`` looks at the scale there).
+
+    Example:
+        >>> import ampbridge
+        >>> class Callback:  # the framework's
+        ...     def on_train_batch_end(self, batch, logs=None): pass
+        >>> class Phases(PhaseClock, Callback):
+        ...     def _switch(self, index, first, **where): pass
+        >>> cb = Phases()
+        >>> cb._start_clock(ampbridge.loads('[[phase]]\\nuntil_step = 2\\ncompute_dtype = "float32"'))
+        >>> for batch in range(4):
+        ...     cb.on_train_batch_begin(batch); cb.on_train_batch_end(batch)
+        >>> cb.switches
+        [(0, 0), (2, None)]
+    """
+
+    policy: Policy
+
+    def _start_clock(self, policy: Policy) -> None:
+        self.policy = policy
+        self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
+        self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
+        self._step = 0
+        self._epoch_first_step = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch_first_step = self._step
+        if self.policy.phase_unit != "step":
+            self._enter(self.policy.phase_index(epoch=epoch), epoch, epoch=epoch)
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._step = self._epoch_first_step + batch
+        if self.policy.phase_unit == "step":
+            self._enter(self.policy.phase_index(step=self._step), self._step, step=self._step)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        super().on_train_batch_end(batch, logs)  # type: ignore[misc]  (the framework's Callback)
+        self._step = self._epoch_first_step + batch + 1
+
+    def _enter(self, index: int | None, at: int, **where: int) -> None:
+        if index == self.phase:
+            return
+        first = self.phase == -1
+        self.phase = index
+        self.switches.append((at, index))
+        self._switch(index, first, **where)
+
+    def _switch(self, index: int | None, first: bool, **where: int) -> None:
+        raise NotImplementedError

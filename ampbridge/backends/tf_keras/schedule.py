@@ -14,6 +14,7 @@ from ...core.loss_scale import LossScaleState, enter_phase
 from ...core.plan import build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
+from ..common import PhaseClock
 from .apply import _switch
 from .environment import FRAMEWORK, resolve_policy, set_matmul_precision
 from .layers import _describe
@@ -31,7 +32,7 @@ def _set_state(ref: _ReferenceState, state: LossScaleState) -> None:
     ref.hysteresis_left.assign(state.hysteresis_left)
 
 
-class PhaseCallback(tf_keras.callbacks.Callback):
+class PhaseCallback(PhaseClock, tf_keras.callbacks.Callback):
     """Runs a policy's ``[[phase]]`` schedule during ``fit``.
 
     At each epoch (or step, for an ``until_step`` schedule) boundary it sets every layer's
@@ -52,12 +53,8 @@ class PhaseCallback(tf_keras.callbacks.Callback):
 
     def __init__(self, policy: Policy | str, *, optimizer: Any = None):
         super().__init__()
-        self.policy = resolve_policy(policy)[0]
+        self._start_clock(resolve_policy(policy)[0])
         self._opt = optimizer  # a custom loop's, when the model is not compiled with it
-        self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
-        self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
-        self._step = 0
-        self._epoch_first_step = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
         applied = getattr(self.model, "_ampbridge_policy", None)
@@ -75,25 +72,7 @@ class PhaseCallback(tf_keras.callbacks.Callback):
         self._described, self._by_path = _describe(self.model)
         self._step = int(self._ref.steps.numpy())  # every step seen, skipped ones included
 
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch_first_step = self._step
-        if self.policy.phase_unit != "step":
-            self._enter(self.policy.phase_index(epoch=epoch), epoch, epoch=epoch)
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self._step = self._epoch_first_step + batch
-        if self.policy.phase_unit == "step":
-            self._enter(self.policy.phase_index(step=self._step), self._step, step=self._step)
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._step = self._epoch_first_step + batch + 1
-
-    def _enter(self, index: int | None, at: int, **where: int) -> None:
-        if index == self.phase:
-            return
-        first = self.phase == -1
-        self.phase = index
-        self.switches.append((at, index))
+    def _switch(self, index: int | None, first: bool, **where: int) -> None:
         active = self.policy.at(**where)
         set_matmul_precision(active.matmul_precision)
         _switch(self._by_path, {r.path: r for r in build_plan(self._described, active, framework=FRAMEWORK, warn=False)})
