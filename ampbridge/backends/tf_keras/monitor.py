@@ -90,7 +90,8 @@ class Monitor(tf_keras.callbacks.Callback):
         if not model.built:
             raise ValueError("Monitor: build the model first (call it on data, or give it an Input)")
         # the model's own strategy too: a Monitor made outside strategy.scope() would see it only in fit
-        if max(tf.distribute.get_strategy().num_replicas_in_sync, model.distribute_strategy.num_replicas_in_sync) > 1:
+        replicas = (tf.distribute.get_strategy().num_replicas_in_sync, model.distribute_strategy.num_replicas_in_sync)
+        if max(replicas) > 1:
             raise UnsupportedOptionError("Monitor under a multi-replica tf.distribute strategy is not built for "
                                          "tf_keras (the gradients it sees are not all-reduced yet)")
         self.path, self.every, self.attribution, self.model_ = path, every, attribution, model
