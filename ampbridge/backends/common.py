@@ -15,12 +15,13 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FunctionType, ModuleType
 from typing import Any
 
 from ..core.io import as_policy
+from ..core.kinds import KindRegistry, infer_kind
 from ..core.policy import Policy
 from ..core.risks import lossy_settings
 from ..diagnostics.environment import effective_policy
@@ -126,3 +127,140 @@ def doctests(namespace: dict[str, Any]) -> dict[str, Any]:
     public = set(namespace["__all__"])
     return {"overview": namespace["__doc__"]} | {
         name: obj for name, obj in namespace.items() if name in public and isinstance(obj, type | FunctionType)}
+
+
+# --- what the two Keras backends (Keras 3, tf.keras 2) share: kinds and the layer walk ------------
+
+#: Keras layer class names (in ``keras.layers`` and ``tf_keras.layers``) -> portable kind; most
+#: specific first: ConvLSTM subclasses RNN, so it stays recurrent. Normalization (preprocessing: an
+#: adapted mean and variance) normalises its input as BatchNormalization at inference does: a norm.
+KERAS_KIND_CLASSES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("BatchNormalization", "LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization",
+      "Normalization"), "norm"),
+    (("Embedding",), "embedding"),
+    (("Softmax",), "softmax"),
+    (("Dense", "EinsumDense"), "linear"),
+    (("MultiHeadAttention", "GroupedQueryAttention", "Attention", "AdditiveAttention"), "attention"),
+    (("RNN", "Bidirectional", "LSTMCell", "GRUCell", "SimpleRNNCell", "StackedRNNCells"), "recurrent"),
+    (("Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose", "DepthwiseConv1D",
+      "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"), "conv"),
+)
+
+
+def keras_kind_table(layers_module: Any) -> list[tuple[tuple[type, ...], str]]:
+    """:data:`KERAS_KIND_CLASSES` as the classes a Keras ``layers`` module has (a release without one
+    simply lacks it)."""
+    return [(tuple(getattr(layers_module, n) for n in names if hasattr(layers_module, n)), kind)
+            for names, kind in KERAS_KIND_CLASSES]
+
+
+def kind_cascade(layer: Any, registry: KindRegistry, table: Callable[[], list[tuple[tuple[type, ...], str]]],
+                 framework_prefix: str, children: Callable[[Any], list[Any]]) -> tuple[str | None, str | None]:
+    """``(kind, how it was decided)`` as every backend decides it: the ``ampbridge_kind`` attribute,
+    the classes ``registry`` holds (``register_kind``), the framework's ``table()`` of classes, then
+    the core's inference from the names of the class and its bases outside ``framework_prefix``
+    (``leaf``: ``children(layer)`` is empty).
+
+    Example:
+        >>> class MyAttention: pass
+        >>> kind_cascade(MyAttention(), KindRegistry(), list, "keras.", lambda layer: [])
+        ('attention', 'class name')
+    """
+    declared = getattr(layer, "ampbridge_kind", None)
+    if declared is not None:
+        return declared, "ampbridge_kind attribute"
+    registered = registry.lookup(type(layer))
+    if registry.found(registered):
+        return registered, "registered"
+    for classes, kind in table():
+        if classes and isinstance(layer, classes):
+            return kind, "framework class"
+    names = [c.__name__ for c in type(layer).__mro__ if not c.__module__.startswith((framework_prefix, "builtins"))]
+    return infer_kind(names, leaf=not children(layer))
+
+
+def walk_tree(root: Any, children: Callable[[Any], list[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
+    """``(path, node)`` for ``root`` (path ``""``) and every node below it, depth first, where
+    ``children(node)`` gives ``(name, child)`` pairs: paths join names with ``.``, a node reached
+    twice (shared) is listed once, at its first path, and siblings with one name get ``_2``, ``_3``.
+
+    Example:
+        >>> tree = {"a": {"b": {}}, "c": {}}
+        >>> [p for p, _ in walk_tree(tree, lambda n: list(n.items()))]
+        ['', 'a', 'a.b', 'c']
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        path, node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield path, node
+        kids, used = [], set()
+        for name, child in children(node):
+            segment, n = name, 1
+            while segment in used:  # siblings with one name (possible in subclassed models)
+                n += 1
+                segment = f"{name}_{n}"
+            used.add(segment)
+            kids.append((f"{path}.{segment}" if path else segment, child))
+        stack.extend(reversed(kids))
+
+
+# --- a [[phase]] schedule's clock in a fit callback (Keras 3 and tf.keras 2) ------------------------
+
+class PhaseClock:
+    """The step and epoch bookkeeping of a ``fit`` callback running a ``[[phase]]`` schedule, framework-free:
+    mixed in before the framework's ``Callback`` class, it calls :meth:`_enter` at each epoch (or step,
+    for ``until_step``) boundary and records each switch; the backend's ``_switch(index, first, **where)``
+    does the switching (``first``: the phase the run starts in). ``on_train_batch_end`` calls the next
+    class's too (Keras 3's ``LossScaleCallback`` looks at the scale there).
+
+    Example:
+        >>> import ampbridge
+        >>> class Callback:  # the framework's
+        ...     def on_train_batch_end(self, batch, logs=None): pass
+        >>> class Phases(PhaseClock, Callback):
+        ...     def _switch(self, index, first, **where): pass
+        >>> cb = Phases()
+        >>> cb._start_clock(ampbridge.loads('[[phase]]\\nuntil_step = 2\\ncompute_dtype = "float32"'))
+        >>> for batch in range(4):
+        ...     cb.on_train_batch_begin(batch); cb.on_train_batch_end(batch)
+        >>> cb.switches
+        [(0, 0), (2, None)]
+    """
+
+    policy: Policy
+
+    def _start_clock(self, policy: Policy) -> None:
+        self.policy = policy
+        self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
+        self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
+        self._step = 0
+        self._epoch_first_step = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch_first_step = self._step
+        if self.policy.phase_unit != "step":
+            self._enter(self.policy.phase_index(epoch=epoch), epoch, epoch=epoch)
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._step = self._epoch_first_step + batch
+        if self.policy.phase_unit == "step":
+            self._enter(self.policy.phase_index(step=self._step), self._step, step=self._step)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        super().on_train_batch_end(batch, logs)  # type: ignore[misc]  (the framework's Callback)
+        self._step = self._epoch_first_step + batch + 1
+
+    def _enter(self, index: int | None, at: int, **where: int) -> None:
+        if index == self.phase:
+            return
+        first = self.phase == -1
+        self.phase = index
+        self.switches.append((at, index))
+        self._switch(index, first, **where)
+
+    def _switch(self, index: int | None, first: bool, **where: int) -> None:
+        raise NotImplementedError

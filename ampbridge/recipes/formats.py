@@ -25,11 +25,12 @@ from .grad_scaler import from_grad_scaler, to_grad_scaler
 from .jmp import _JMP_NAMES, from_jmp, to_jmp
 from .keras import _KERAS, from_keras, to_keras
 from .lightning import _LIGHTNING_ALIASES, _LIGHTNING_ALL, from_lightning, to_lightning
+from .tf_keras import _TF_KERAS_KEYS, from_tf_keras, to_tf_keras
 
-READ_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "jmp", "grad-scaler", "flax",
-                "optax", "transformer-engine", "torchao")
-WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "jmp", "grad-scaler", "flax",
-                 "optax", "fsdp", "transformer-engine", "torchao")
+READ_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "tf_keras", "jmp", "grad-scaler",
+                "flax", "optax", "transformer-engine", "torchao")
+WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "tf_keras", "jmp", "grad-scaler",
+                 "flax", "optax", "fsdp", "transformer-engine", "torchao")
 
 
 # --- reading files and text; detecting the format -------------------------------------------------
@@ -37,11 +38,11 @@ WRITE_FORMATS = ("ampbridge", "deepspeed", "accelerate", "lightning", "keras", "
 _READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "ampbridge": (), "deepspeed": ("auto", "version", "release"),
     "accelerate": ("grad_scaler_kwargs", "base_dir", "version", "release", "device", "accelerate_version"),
-    "lightning": ("grad_scaler", "device", "api", "lightning_version"), "keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
+    "lightning": ("grad_scaler", "device", "api", "lightning_version"), "keras": ("loss_scale_optimizer",), "tf_keras": ("loss_scale_optimizer",), "jmp": ("half",), "grad-scaler": (),
     "flax": (), "optax": (), "transformer-engine": (), "torchao": (),
 }
 _WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "ampbridge": (), "deepspeed": ("via", "version", "release", "stage"), "accelerate": (), "lightning": ("lightning_version",), "keras": (), "jmp": (),
+    "ampbridge": (), "deepspeed": ("via", "version", "release", "stage"), "accelerate": (), "lightning": ("lightning_version",), "keras": (), "tf_keras": (), "jmp": (),
     "grad-scaler": (), "flax": (), "optax": (), "fsdp": ("plan",), "transformer-engine": (), "torchao": (),
 }
 _DS_MARKERS = {"fp16", "bf16", "bfloat16", "zero_optimization", "torch_autocast", "amp", "train_batch_size",
@@ -83,8 +84,13 @@ def _candidates(data: Any) -> list[str]:
         found.append("optax")
     if keys and keys <= _SHARED_SCALER and "grad-scaler" not in found and "flax" not in found:
         found += ["grad-scaler", "flax"]
-    if keys & {"dynamic_growth_steps", "inner_optimizer", "amax_history_length", "source_name"}:
+    if (keys & {"dynamic_growth_steps", "inner_optimizer"} and data.get("dynamic", True) is not False) \
+            or keys & {"amax_history_length", "source_name"}:
         found.append("keras")
+    if "dynamic" in keys and keys & {"dynamic_growth_steps", "inner_optimizer", "initial_scale"}:
+        found.append("tf_keras")  # Keras 2's LossScaleOptimizer config always says; with True, Keras 3's may too
+    if "dtype_policy" in keys and keys <= set(_TF_KERAS_KEYS):
+        found.append("tf_keras")  # what --to tf_keras writes
     if data.get("recipe") in ("DelayedScaling", "Float8CurrentScaling"):
         found.append("transformer-engine")
     if any(k.startswith("cast_config_") for k in keys):
@@ -163,6 +169,8 @@ def read(data: Any, format: str, **options: Any) -> Conversion:
         return from_lightning(data, **options)
     if format == "keras":
         return from_keras(data, **options)
+    if format == "tf_keras":
+        return from_tf_keras(data, _source=source, _locate=locate, **options)
     if format == "jmp":
         return from_jmp(data, **options)
     if format == "grad-scaler":
@@ -187,7 +195,7 @@ def write(policy: Policy, format: str, **options: Any) -> Conversion:
     _check_options(format, options, _WRITE_OPTIONS, WRITE_FORMATS, "write")
     table: dict[str, Callable[..., Conversion]] = {
         "deepspeed": to_deepspeed, "accelerate": to_accelerate, "lightning": to_lightning, "keras": to_keras,
-        "jmp": to_jmp, "grad-scaler": to_grad_scaler, "flax": to_flax, "optax": to_optax,
+        "tf_keras": to_tf_keras, "jmp": to_jmp, "grad-scaler": to_grad_scaler, "flax": to_flax, "optax": to_optax,
         "fsdp": to_fsdp, "transformer-engine": to_transformer_engine, "torchao": to_torchao}
     if format == "ampbridge":
         return Conversion(policy, source_format="ampbridge", target_format="ampbridge")

@@ -11,6 +11,7 @@ Holds from_tf_keras, from_tf_keras_loss_scale_optimizer, to_tf_keras.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,10 +22,12 @@ from .convert import Conversion, _construct, _get_int, _get_number, _Reader, _re
 from .keras import from_keras, to_keras
 
 _LSO_KEYS = ("name", "inner_optimizer", "dynamic", "initial_scale", "dynamic_growth_steps")
+_TF_KERAS_KEYS = ("dtype_policy", "loss_scale_optimizer")  # what to_tf_keras writes
 _FLOOR_NOTE = "Keras 2 halves the scale down to 1 and no further: read as min_scale = 1"
 
 
-def from_tf_keras_loss_scale_optimizer(config: Mapping[str, Any]) -> Conversion:
+def from_tf_keras_loss_scale_optimizer(config: Mapping[str, Any], *, _source: str | None = None,
+                                       _locate: Any = None, _prefix: tuple = ()) -> Conversion:
     """A tf_keras ``LossScaleOptimizer.get_config()`` -> LossScaleConfig.
 
     Example:
@@ -35,7 +38,7 @@ def from_tf_keras_loss_scale_optimizer(config: Mapping[str, Any]) -> Conversion:
         >>> from_tf_keras_loss_scale_optimizer({"dynamic": False, "initial_scale": 128.0}).result.skip_nonfinite
         False
     """
-    r = _Reader("tf_keras")
+    r = _Reader("tf_keras", _source, _locate, _prefix)  # the file and where in it, for a one-line error
     if not isinstance(config, Mapping):
         raise PolicyError([Problem("a LossScaleOptimizer config must be a mapping", value=config)])
     r.check_keys(config, _LSO_KEYS, (), "a tf_keras LossScaleOptimizer config")
@@ -66,7 +69,8 @@ def from_tf_keras_loss_scale_optimizer(config: Mapping[str, Any]) -> Conversion:
     return r.done(cfg, ("loss_scale",))
 
 
-def from_tf_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = None) -> Conversion:
+def from_tf_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = None, _source: str | None = None,
+                  _locate: Any = None) -> Conversion:
     """A tf_keras dtype-policy name (with the config of its LossScaleOptimizer, or a config dict alone) -> Policy.
 
     ``mixed_float16`` without ``loss_scale_optimizer``: what ``Model.compile`` wraps the optimizer in
@@ -77,16 +81,37 @@ def from_tf_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None
         >>> p.compute_dtype, p.param_dtype, p.loss_scale.initial_scale, p.loss_scale.min_scale
         ('float16', 'float32', 32768.0, 1.0)
     """
+    where = {"_source": _source, "_locate": _locate}
+    if isinstance(policy, Mapping) and "dtype_policy" in policy:  # what to_tf_keras writes (a file of it)
+        r = _Reader("tf_keras", _source, _locate)
+        r.check_keys(policy, _TF_KERAS_KEYS, (), "tf_keras settings (what --to tf_keras writes)")
+        lso = policy.get("loss_scale_optimizer")
+        if lso is not None and loss_scale_optimizer is not None:
+            r.problem(("loss_scale_optimizer",), "given twice (in the settings and as an argument)", value=lso)
+        if lso is not None and not isinstance(lso, Mapping):
+            r.problem(("loss_scale_optimizer",), "must be a LossScaleOptimizer config", value=lso,
+                      accepted="a mapping (dynamic, initial_scale, dynamic_growth_steps) or null")
+        r.raise_if_any()  # a null optimizer: Model.compile's, as for a bare name
+        return _read(policy["dtype_policy"], lso or loss_scale_optimizer, ("loss_scale_optimizer",) if lso else (),
+                     **where)
     if isinstance(policy, Mapping):
-        return from_tf_keras_loss_scale_optimizer(policy)
-    base = from_keras(policy)  # the same names; Keras 3's reader checks them
+        return from_tf_keras_loss_scale_optimizer(policy, **where)
+    return _read(policy, loss_scale_optimizer, (), **where)
+
+
+def _read(policy: Any, loss_scale_optimizer: Mapping[str, Any] | None, prefix: tuple, **where: Any) -> Conversion:
+    """A policy name and its LossScaleOptimizer config (found under ``prefix`` in the source)."""
+    try:
+        base = from_keras(policy)  # the same names; Keras 3's reader checks them
+    except PolicyError as e:  # said with the file it came from
+        raise PolicyError([dataclasses.replace(p, file=p.file or where.get("_source")) for p in e.problems]) from None
     p = base.result
     lso = loss_scale_optimizer
     if lso is None and policy == "mixed_float16":
         lso = {"dynamic": True}
     if lso is None:
         return base
-    inner = from_tf_keras_loss_scale_optimizer(lso)
+    inner = from_tf_keras_loss_scale_optimizer(lso, _prefix=prefix, **where)
     r = _Reader("tf_keras")
     r.notes.extend(n for n in base.notes if "LossScaleOptimizer" not in n and "2**127" not in n)
     r.notes.extend(inner.notes)
@@ -138,8 +163,14 @@ def to_tf_keras(policy: Policy) -> Conversion:
         if name == "mixed_float16":
             w.loss("loss_scale.mode", view["mode"], "Model.compile() wraps a mixed_float16 model's optimizer in a "
                    "dynamic LossScaleOptimizer")
+            if not view["skip_nonfinite"]:
+                w.loss("loss_scale.skip_nonfinite", False, "the dynamic LossScaleOptimizer Model.compile() wraps "
+                       "a mixed_float16 model's optimizer in skips every non-finite step")
         if view["skip_nonfinite"]:
             w.loss("loss_scale.skip_nonfinite", True, "Keras 2 skips non-finite steps only inside a dynamic "
                    "LossScaleOptimizer")
+    if (lso is not None or name == "mixed_float16") and ls.on_min_scale != "clamp":  # read back: a scaler
+        w.loss("loss_scale.on_min_scale", ls.on_min_scale, "Keras 2's LossScaleOptimizer stops at its floor and says "
+               "nothing (clamp)")
     return w.done({"dtype_policy": name, "loss_scale_optimizer": lso})
 

@@ -11,6 +11,7 @@ from ampbridge._testing import require
 
 require("tf_keras")
 
+import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import ampbridge  # noqa: E402
@@ -82,3 +83,37 @@ def test_what_it_cannot_do_is_said_by_name():
                              '[[phase]]\nparam_dtype = "float16"\n')
     with pytest.raises(UnsupportedOptionError, match=r"\[\[phase\]\] param_dtype float16 / float32 for layer"):
         atk.apply(functional([]), params, warn=False)
+
+
+def test_a_custom_loop_runs_the_same_schedule():
+    """GradientTape + get_scaled_loss / get_unscaled_gradients / apply_gradients, the model not compiled:
+    ``enter(step=)`` switches where fit's callback does, and the loop's step is traced again there."""
+    seen = []
+    m = atk.apply(functional(seen), SCHEDULE)
+    opt = atk.optimizer(tf_keras.optimizers.SGD(0.01), SCHEDULE)
+    cb = atk.PhaseCallback(SCHEDULE, optimizer=opt)
+    cb.set_model(m)
+    seen.clear()
+
+    def one_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(m(x, training=True), "float32") - y))
+            scaled = opt.get_scaled_loss(loss)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, m.trainable_variables))
+        opt.apply_gradients(zip(grads, m.trainable_variables))
+        return loss
+
+    rng = np.random.RandomState(0)
+    scales, retraced = [], []
+    for step in range(8):
+        if cb.enter(step=step):
+            retraced.append(step)
+            train_step = tf.function(one_step)
+        scales.append(float(opt.loss_scale.numpy()))
+        train_step(tf.constant(rng.randn(4, 4), "float32"), tf.constant(rng.randn(4, 2), "float32"))
+    assert cb.switches == [(0, 0), (3, 1), (6, 2)] and retraced == [0, 3, 6]
+    traced = [d for i, d in enumerate(seen) if i == 0 or seen[i - 1] != d]  # SGD's first step traces twice
+    assert traced == ["float32", "float16", "float32"]  # each phase traced in its dtypes
+    assert scales[:3] == [1.0] * 3 and scales[3] == 256.0 and scales[4] == 256.0 and scales[5] == 512.0
+    with pytest.raises(ValueError, match="changes phase by step; pass step=N"):
+        cb.enter(epoch=1)

@@ -118,6 +118,7 @@ TARGETS = {
     "keras": (recipes.to_keras, lambda r: recipes.from_keras(r["dtype_policy"],
                                                              loss_scale_optimizer=r["loss_scale_optimizer"],
                                                              loss_scale_factor=r["loss_scale_factor"])),
+    "tf_keras": (recipes.to_tf_keras, recipes.from_tf_keras),  # its reader takes what its writer writes
     "jmp": (recipes.to_jmp, recipes.from_jmp),
     "grad-scaler": (recipes.to_grad_scaler, _scale_only(recipes.from_grad_scaler)),
     "flax": (recipes.to_flax, _scale_only(recipes.from_flax)),

@@ -250,6 +250,7 @@ READERS = {
     "lightning": lambda r: recipes.from_lightning(r["precision"], grad_scaler=r["grad_scaler"]),
     "keras": lambda r: recipes.from_keras(r["dtype_policy"], loss_scale_optimizer=r["loss_scale_optimizer"],
                                           loss_scale_factor=r["loss_scale_factor"]),
+    "tf_keras": recipes.from_tf_keras,
     "jmp": recipes.from_jmp,
     "grad-scaler": recipes.from_grad_scaler,
     "flax": lambda r: recipes.from_flax(r) if r is not None else recipes.Conversion(

@@ -1,6 +1,8 @@
 """tf.keras 2 recipes (framework-free): Keras 2 policy names and LossScaleOptimizer settings in and out.
 tests/backend_tf_keras/test_recipes_native.py runs what to_tf_keras writes in Keras 2 itself."""
 
+import json
+
 import pytest
 
 import ampbridge
@@ -47,3 +49,68 @@ def test_writes_keras2s_arguments_and_names_what_it_cannot_hold():
     static = recipes.to_tf_keras(exact.replace(loss_scale=LossScaleConfig(mode="static", initial_scale=64.0)))
     assert static.result["loss_scale_optimizer"] == {"dynamic": False, "initial_scale": 64.0, "dynamic_growth_steps": None}
     assert [l.setting for l in static.losses] == ["loss_scale.skip_nonfinite"]
+
+
+# --- ampbridge convert --from / --to tf_keras -------------------------------------------------------
+
+def _run(capsys, *argv):
+    from ampbridge.cli.commands import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_convert_writes_tf_keras_and_reads_it_back(capsys, tmp_path):
+    policy = tmp_path / "amp.toml"
+    policy.write_text('extends = "mixed_float16"\noutput_dtype = "float16"\n[loss_scale]\n'
+                      'initial_scale = 1024.0\ngrowth_interval = 8\nmin_scale = 1.0\n')
+    out_file = tmp_path / "tf_keras.json"
+    code, out, err = _run(capsys, "convert", policy, "--to", "tf_keras", "--strict", "-o", out_file)
+    assert code == 0 and "lost" not in err
+    written = json.loads(out_file.read_text())
+    assert written == {"dtype_policy": "mixed_float16",
+                       "loss_scale_optimizer": {"dynamic": True, "initial_scale": 1024.0, "dynamic_growth_steps": 8}}
+    code, out, err = _run(capsys, "convert", out_file)  # detected: what --to tf_keras writes
+    assert code == 0
+    back = ampbridge.loads(out)
+    assert back.loss_scale == ampbridge.load(policy).loss_scale and back.compute_dtype == "float16"
+    # a Keras 2 LossScaleOptimizer.get_config() alone, and a bare name said to be Keras 2's
+    lso = tmp_path / "lso.json"
+    lso.write_text(json.dumps({"name": "LossScaleOptimizer", "dynamic": False, "initial_scale": 128.0,
+                               "dynamic_growth_steps": None}))
+    code, out, _ = _run(capsys, "convert", lso)
+    assert code == 0 and ampbridge.loads(out).loss_scale.mode == "static"
+    code, out, _ = _run(capsys, "convert", "tf_keras:mixed_float16")
+    assert code == 0 and ampbridge.loads(out).loss_scale.min_scale == 1.0  # Keras 2's floor
+
+
+def test_convert_to_tf_keras_names_every_loss_and_strict_fails(capsys, tmp_path):
+    code, out, err = _run(capsys, "convert", "mixed_float16", "--to", "tf_keras")  # Keras 3's: no floor
+    assert code == 0 and "lost: loss_scale.min_scale = None: Keras 2 halves the scale down to 1" in err
+    assert "(keras -> tf_keras)" in err
+    out_file = tmp_path / "out.json"
+    code, _, err = _run(capsys, "convert", "mixed_float16", "--to", "tf_keras", "--strict", "-o", out_file)
+    assert code == 1 and not out_file.exists() and "--strict: nothing written" in err
+
+
+def test_convert_tf_keras_bad_input_and_usage(capsys, tmp_path):
+    bad = tmp_path / "tf_keras.json"
+    bad.write_text('{"dtype_policy": "mixed_float16", "loss_scale_optimizer": {"dynamic_growth_stepz": 10}}')
+    code, _, err = _run(capsys, "convert", bad)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"{bad}:1: loss_scale_optimizer.dynamic_growth_stepz: unknown key" in err and "dynamic_growth_steps" in err
+    bad.write_text('{"dtype_policy": "mixed_float17"}')
+    code, _, err = _run(capsys, "convert", bad)
+    assert code == 1 and f"{bad}: dtype_policy: not a Keras dtype policy name; received 'mixed_float17'" in err
+    both = tmp_path / "lso.json"  # dynamic=True: Keras 3's config may say so too, and the two read differently
+    both.write_text('{"dynamic": true, "initial_scale": 8.0, "dynamic_growth_steps": 10}')
+    code, _, err = _run(capsys, "convert", both)
+    assert code == 1 and "could be keras or tf_keras" in err and "--from" in err
+    code, out, _ = _run(capsys, "convert", both, "--from", "tf_keras")
+    assert code == 0 and ampbridge.loads(out).loss_scale.min_scale == 1.0
+    code, _, err = _run(capsys, "convert", both, "--to", "tf_keras", "--from", "tf_keras")
+    assert code == 2 and "hold only a loss scale" in err
+    with pytest.raises(SystemExit) as e:
+        _run(capsys, "convert", "mixed_float16", "--to", "tf-keras")
+    assert e.value.code == 2

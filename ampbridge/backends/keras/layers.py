@@ -17,32 +17,16 @@ from typing import Any
 import keras
 import numpy as np
 
-from ...core.kinds import KindRegistry, infer_kind
+from ...core.kinds import KindRegistry
 from ...core.plan import Layer
+from ..common import keras_kind_table, kind_cascade, walk_tree
 
 
 # --- kinds ------------------------------------------------------------------------------------
 
+@functools.cache
 def _kind_table() -> list[tuple[tuple[type, ...], str]]:
-    L = keras.layers
-    # Normalization (preprocessing: an adapted mean and variance, EfficientNet's input stage) normalises
-    # its input as a BatchNormalization at inference does: a norm too
-    norm = tuple(getattr(L, n) for n in ("BatchNormalization", "LayerNormalization", "GroupNormalization",
-                                          "UnitNormalization", "RMSNormalization", "Normalization") if hasattr(L, n))
-    conv = tuple(getattr(L, n) for n in (
-        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
-        "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D") if hasattr(L, n))
-    attention = tuple(getattr(L, n) for n in ("MultiHeadAttention", "GroupedQueryAttention",
-                                               "Attention", "AdditiveAttention") if hasattr(L, n))
-    recurrent = tuple(getattr(L, n) for n in ("RNN", "Bidirectional", "LSTMCell", "GRUCell",
-                                               "SimpleRNNCell", "StackedRNNCells") if hasattr(L, n))
-    # most specific first: ConvLSTM subclasses RNN, so it stays recurrent
-    return [(norm, "norm"), ((L.Embedding,), "embedding"), ((L.Softmax,), "softmax"),
-            ((L.Dense, L.EinsumDense), "linear"), (attention, "attention"), (recurrent, "recurrent"),
-            (conv, "conv")]
-
-
-_KINDS: list[tuple[tuple[type, ...], str]] | None = None
+    return keras_kind_table(keras.layers)
 
 
 _REGISTERED = KindRegistry()
@@ -66,21 +50,8 @@ def kind_of(layer: Any) -> str | None:
 def kind_and_source(layer: Any) -> tuple[str | None, str | None]:
     """``(kind, how it was decided)``: the ``ampbridge_kind`` attribute, :func:`register_kind`,
     Keras's classes, then the core's inference from the class's and its bases' names."""
-    declared = getattr(layer, "ampbridge_kind", None)
-    if declared is not None:
-        return declared, "ampbridge_kind attribute"
-    registered = _REGISTERED.lookup(type(layer))
-    if _REGISTERED.found(registered):
-        return registered, "registered"
-    global _KINDS
-    if _KINDS is None:
-        _KINDS = _kind_table()
-    for classes, kind in _KINDS:
-        if isinstance(layer, classes):
-            return kind, "framework class"
-    names = [c.__name__ for c in type(layer).__mro__ if not c.__module__.startswith(("keras.", "builtins"))]
-    leaf = not layer._flatten_layers(include_self=False, recursive=False)
-    return infer_kind(names, leaf=leaf)
+    return kind_cascade(layer, _REGISTERED, _kind_table, "keras.",
+                        lambda l: l._flatten_layers(include_self=False, recursive=False))
 
 
 # Built-in composite layers create some sublayers with auto-generated, process-dependent names
@@ -173,23 +144,7 @@ def walk(model: Any) -> Iterator[tuple[str, Any]]:
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"expected a Keras layer or model; received {type(model).__qualname__}")
-    seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [("", model)]
-    while stack:
-        path, layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        yield path, layer
-        kids, used = [], set()
-        for name, child in _children(layer):
-            segment, n = name, 1
-            while segment in used:  # siblings with one name (possible in subclassed models)
-                n += 1
-                segment = f"{name}_{n}"
-            used.add(segment)
-            kids.append((f"{path}.{segment}" if path else segment, child))
-        stack.extend(reversed(kids))
+    yield from walk_tree(model, _children)
 
 
 def _own_params(layer: Any) -> int:

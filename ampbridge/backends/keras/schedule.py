@@ -12,11 +12,12 @@ from keras import ops
 
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
+from ..common import PhaseClock
 from .apply import _refresh_compiled, apply
 from .environment import resolve_policy
 from .loss_scale import LossScaleCallback
 
-class PhaseCallback(LossScaleCallback):
+class PhaseCallback(PhaseClock, LossScaleCallback):
     """Runs a policy's ``[[phase]]`` schedule during ``fit``.
 
     At each epoch (or step, for an ``until_step`` schedule) boundary it re-applies the phase's
@@ -35,11 +36,7 @@ class PhaseCallback(LossScaleCallback):
 
     def __init__(self, policy: Policy | str):
         super().__init__()
-        self.policy = resolve_policy(policy)[0]  # the environment's switch and "auto" included
-        self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
-        self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
-        self._step = 0
-        self._epoch_first_step = 0
+        self._start_clock(resolve_policy(policy)[0])  # the environment's switch and "auto" included
 
     def on_train_begin(self, logs: Any = None) -> None:
         super().on_train_begin(logs)
@@ -56,26 +53,7 @@ class PhaseCallback(LossScaleCallback):
         elif getattr(self.model, "optimizer", None) is not None:
             self._step = int(ops.convert_to_numpy(self.model.optimizer.iterations))
 
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch_first_step = self._step
-        if self.policy.phase_unit != "step":
-            self._enter(self.policy.phase_index(epoch=epoch) if self.policy.phases else None, epoch, epoch=epoch)
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self._step = self._epoch_first_step + batch
-        if self.policy.phase_unit == "step":
-            self._enter(self.policy.phase_index(step=self._step), self._step, step=self._step)
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        super().on_train_batch_end(batch, logs)
-        self._step = self._epoch_first_step + batch + 1
-
-    def _enter(self, index: int | None, at: int, **where: int) -> None:
-        if index == self.phase:
-            return
-        first = self.phase == -1
-        self.phase = index
-        self.switches.append((at, index))
+    def _switch(self, index: int | None, first: bool, **where: int) -> None:
         if getattr(self.model, "_jax_state", None) and not getattr(self.model, "_jax_state_synced", True):
             self.model.jax_state_sync()  # mid-epoch on JAX: put the traced state back first
         active = self.policy.at(**where)

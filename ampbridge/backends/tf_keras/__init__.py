@@ -6,6 +6,7 @@ per-layer ``tf_keras.mixed_precision.Policy`` objects, and Keras 2's ``LossScale
   weights (Keras 2 fixes a layer's dtype when it is made) and returns it;
 * :class:`Monitor` writes the numerics log ``ampbridge report`` reads, as a ``fit`` callback;
 * :class:`PhaseCallback` runs a ``[[phase]]`` schedule during ``fit``;
+* :func:`load_model` loads a saved model with its policy and loss-scale state (training resumes exactly);
 * :func:`optimizer` wraps a tf_keras optimizer in ``tf_keras.mixed_precision.LossScaleOptimizer``:
   Keras 2's own algorithm where it runs the policy's settings, ampbridge's reference otherwise.
 
@@ -35,6 +36,7 @@ from .trace import trace  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 from .schedule import PhaseCallback  # noqa: E402
 from .tune import tune  # noqa: E402
+from .saving import load_model, stored_policy  # noqa: E402
 
 __all__ = [
     "Monitor",
@@ -49,6 +51,7 @@ __all__ = [
     "kind_and_source",
     "kind_of",
     "layers",
+    "load_model",
     "optimizer",
     "owns",
     "plan",
@@ -56,6 +59,7 @@ __all__ = [
     "resolve_policy",
     "set_matmul_precision",
     "state_of",
+    "stored_policy",
     "trace",
     "tune",
     "walk",

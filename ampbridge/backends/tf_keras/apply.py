@@ -10,13 +10,17 @@ A ``[[phase]]`` schedule: each layer is made under the policy of a phase that ne
 ``AutoCastVariable``s (a mixed one) and switched to the first phase's policy once its variables
 exist; ``PhaseCallback`` (``schedule``) switches them at the phase boundaries.
 
-Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``_made_rows``, ``_switch``, ``OUTPUT_CAST``.
+Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``_made_rows``, ``_switch``,
+``_attach_asset``, ``OUTPUT_CAST``, ``ASSET``.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import types
+import weakref
 from typing import Any
 
 import tensorflow as tf
@@ -25,6 +29,7 @@ import tf_keras
 from ...core.plan import PlanRow, build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
+from ..common import room_above
 from .environment import FRAMEWORK, _phase0, resolve_policy, set_matmul_precision
 from .layers import _AUTHOR, _describe, _graph, dtype_policy, walk
 
@@ -153,6 +158,32 @@ def _switch(by_path: dict[str, Any], rows: dict[str, PlanRow], *, after_build: b
             layer._set_dtype_policy(new)
 
 
+#: the file a ``.keras`` archive saved after :func:`apply` holds in ``assets/`` (plain Keras 2 ignores it)
+ASSET = "ampbridge_tf_keras.json"
+
+
+def _attach_asset(model: Any) -> None:
+    """Make ``model.save("….keras")`` write the policy and the compiled optimizer's loss-scale state into
+    the archive's ``assets/`` (``save_assets`` is the hook Keras 2's ``.keras`` saving calls on every
+    object that has one; an instance attribute here): Keras 2's own ``.keras`` file keeps the inner
+    optimizer's variables but not the loss scale."""
+    own = getattr(type(model), "save_assets", None)
+    ref = weakref.ref(model)
+
+    def save_assets(dir_path: Any) -> None:
+        owner = ref()
+        if own is not None:
+            own(owner, dir_path)
+        opt = getattr(owner, "optimizer", None)
+        state = None
+        if isinstance(opt, tf_keras.mixed_precision.LossScaleOptimizer):
+            state = room_above(__package__, "loss_scale").state_of(opt)
+        with open(os.path.join(str(dir_path), ASSET), "w", encoding="utf-8") as f:
+            json.dump({"format": 1, "policy": owner._ampbridge_policy.to_dict(), "loss_scale": state}, f)
+
+    object.__setattr__(model, "save_assets", save_assets)
+
+
 def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     """The model made to run its Plan: each layer with its row's ``tf_keras.mixed_precision.Policy``
     (``keep_float32`` and pins give ``"float32"``), the same weights, outputs in ``output_dtype``.
@@ -200,4 +231,5 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     if made is not rows:  # a schedule: the first phase runs, in layers made for every phase
         _switch(_describe(applied)[1], rows, after_build=not built)
     object.__setattr__(applied, "_ampbridge_policy", policy)
+    _attach_asset(applied)
     return applied

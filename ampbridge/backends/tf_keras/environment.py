@@ -48,14 +48,7 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
         >>> resolve_policy(ampbridge.preset("mixed_float16"))[0].compute_dtype
         'float16'
     """
-    found: list[Any] = []
-
-    def where() -> Any:  # detected once per call, and only when needed
-        if not found:
-            found.append(device())
-        return found[0]
-
-    return resolve_common(policy, FRAMEWORK, where, warn=warn)
+    return resolve_common(policy, FRAMEWORK, device, warn=warn)  # it asks the device only for "auto", once
 
 
 def _phase0(policy: Policy) -> Policy:

@@ -7,6 +7,7 @@ Names: ``layers``, ``walk``, ``dtype_policy``, ``kind_of``, ``kind_and_source``,
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -14,9 +15,10 @@ from typing import Any
 import numpy as np
 import tf_keras
 
-from ...core.kinds import KindRegistry, infer_kind
+from ...core.kinds import KindRegistry
 from ...core.plan import Layer
 from ...errors import UnsupportedOptionError
+from ..common import keras_kind_table, kind_cascade, walk_tree
 
 
 def owns(obj: Any) -> bool:
@@ -36,25 +38,11 @@ def owns(obj: Any) -> bool:
 
 # --- kinds ------------------------------------------------------------------------------------
 
+@functools.cache
 def _kind_table() -> list[tuple[tuple[type, ...], str]]:
-    L = tf_keras.layers
-
-    def some(*names: str) -> tuple[type, ...]:
-        return tuple(getattr(L, n) for n in names if hasattr(L, n))
-
-    norm = some("BatchNormalization", "LayerNormalization", "GroupNormalization", "UnitNormalization",
-                "Normalization")
-    conv = some("Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
-                "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D")
-    attention = some("MultiHeadAttention", "Attention", "AdditiveAttention")
-    recurrent = some("RNN", "Bidirectional", "LSTMCell", "GRUCell", "SimpleRNNCell", "StackedRNNCells")
-    # most specific first: ConvLSTM2D subclasses RNN, so it stays recurrent
-    return [(norm, "norm"), ((L.Embedding,), "embedding"), ((L.Softmax,), "softmax"),
-            (some("Dense", "EinsumDense"), "linear"), (attention, "attention"), (recurrent, "recurrent"),
-            (conv, "conv")]
+    return keras_kind_table(tf_keras.layers)  # the same classes as Keras 3's (those Keras 2 has)
 
 
-_KINDS: list[tuple[tuple[type, ...], str]] | None = None
 _REGISTERED = KindRegistry()
 
 
@@ -73,21 +61,8 @@ def kind_of(layer: Any) -> str | None:
 def kind_and_source(layer: Any) -> tuple[str | None, str | None]:
     """``(kind, how it was decided)``: the ``ampbridge_kind`` attribute, :func:`register_kind`,
     tf_keras's classes, then the core's inference from the class's and its bases' names."""
-    declared = getattr(layer, "ampbridge_kind", None)
-    if declared is not None:
-        return declared, "ampbridge_kind attribute"
-    registered = _REGISTERED.lookup(type(layer))
-    if _REGISTERED.found(registered):
-        return registered, "registered"
-    global _KINDS
-    if _KINDS is None:
-        _KINDS = _kind_table()
-    for classes, kind in _KINDS:
-        if isinstance(layer, classes):
-            return kind, "framework class"
-    names = [c.__name__ for c in type(layer).__mro__ if not c.__module__.startswith(("tf_keras.", "builtins"))]
-    leaf = not layer._flatten_layers(include_self=False, recursive=False)
-    return infer_kind(names, leaf=leaf)
+    return kind_cascade(layer, _REGISTERED, _kind_table, "tf_keras.",
+                        lambda l: l._flatten_layers(include_self=False, recursive=False))
 
 
 # --- the walk ---------------------------------------------------------------------------------
@@ -110,23 +85,7 @@ def walk(model: Any) -> Iterator[tuple[str, Any]]:
     """
     if not owns(model):
         raise TypeError(f"expected a tf_keras layer or model; received {type(model).__qualname__}")
-    seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [("", model)]
-    while stack:
-        path, layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        yield path, layer
-        kids, used = [], set()
-        for name, child in _children(layer):
-            segment, n = name, 1
-            while segment in used:
-                n += 1
-                segment = f"{name}_{n}"
-            used.add(segment)
-            kids.append((f"{path}.{segment}" if path else segment, child))
-        stack.extend(reversed(kids))
+    yield from walk_tree(model, _children)
 
 
 def _own_params(layer: Any) -> int:

@@ -9,11 +9,12 @@ and skips that step: the reference algorithm with growth 2, backoff 0.5, hystere
 object inside the same optimizer (``fit``, ``get_scaled_loss`` / ``get_unscaled_gradients`` and
 checkpoints work as with Keras 2's own).
 
-Names: ``optimizer``, ``keras2_expressible``; ``_ReferenceState``, ``_refusals``.
+Names: ``optimizer``, ``keras2_expressible``; ``_ReferenceState``, ``_refusals``, ``_PolicyRecord``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import tensorflow as tf
@@ -114,6 +115,17 @@ class _ReferenceState(_lso._DynamicLossScaleState):
         return None if tf.executing_eagerly() else update, should_apply
 
 
+class _PolicyRecord(tf.Module):
+    """The policy an optimizer was made with, as a string variable under the optimizer's checkpoint key
+    ``ampbridge_policy``: a SavedModel (and ``tf.train.Checkpoint``) keeps it, so
+    :func:`ampbridge.tf_keras.load_model` finds it; Keras 2 itself ignores it."""
+
+    def __init__(self, policy: Policy):
+        super().__init__(name="ampbridge_policy")
+        with tf.init_scope():
+            self.policy = tf.Variable(json.dumps(policy.to_dict()), dtype=tf.string, trainable=False, name="policy")
+
+
 def optimizer(inner: Any, policy: Policy | str) -> Any:
     """``tf_keras.mixed_precision.LossScaleOptimizer`` wrapping ``inner`` (a tf_keras optimizer or its
     name) with the policy's loss-scale settings (its first phase's, ``auto`` resolved).
@@ -147,17 +159,24 @@ def optimizer(inner: Any, policy: Policy | str) -> Any:
             f"reduce_dtype={active.reduce_dtype} with param_dtype={active.param_dtype}: Keras 2 all-reduces "
             "gradients in the variables' dtype; set reduce_dtype to the param_dtype")
     start = initial_state(config)
+    opt = tf_keras.mixed_precision.LossScaleOptimizer(
+        inner, dynamic=True, initial_scale=start.scale, dynamic_growth_steps=max(config.growth_interval, 1))
+    return _equip(opt, policy)
+
+
+def _equip(opt: Any, policy: Policy) -> Any:
+    """``opt`` (a Keras 2 ``LossScaleOptimizer`` with the policy's initial scale and growth steps) made to
+    run the policy: the reference state in place of Keras 2's where Keras 2's algorithm is not the
+    policy's, and the policy recorded under the optimizer's checkpoint key ``ampbridge_policy``."""
+    config = _phase0(policy).resolved_loss_scale
     # a schedule whose phases change the settings runs on the reference state (PhaseCallback switches them)
     same = all(phase.policy.resolved_loss_scale == config for phase in policy.phases) and (
         not policy.phases or policy.replace(phases=()).resolved_loss_scale == config)
-    if keras2_expressible(config) and same:
-        return tf_keras.mixed_precision.LossScaleOptimizer(
-            inner, dynamic=True, initial_scale=start.scale, dynamic_growth_steps=config.growth_interval)
-    opt = tf_keras.mixed_precision.LossScaleOptimizer(
-        inner, dynamic=True, initial_scale=start.scale, dynamic_growth_steps=max(config.growth_interval, 1))
-    state = _ReferenceState(config)
-    opt._loss_scale = state  # private: the state object Keras 2's apply_gradients asks (tf-keras 2.21)
-    opt._track_trackable(state, "loss_scale", overwrite=True)
+    if not (keras2_expressible(config) and same):
+        state = _ReferenceState(config)
+        opt._loss_scale = state  # private: the state object Keras 2's apply_gradients asks (tf-keras 2.21)
+        opt._track_trackable(state, "loss_scale", overwrite=True)
+    opt._track_trackable(_PolicyRecord(policy), "ampbridge_policy", overwrite=True)
     return opt
 
 

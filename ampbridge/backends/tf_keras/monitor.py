@@ -89,21 +89,25 @@ class Monitor(tf_keras.callbacks.Callback):
                                          f"{type(opt).__name__}")
         if not model.built:
             raise ValueError("Monitor: build the model first (call it on data, or give it an Input)")
-        if tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise UnsupportedOptionError("Monitor under a multi-replica tf.distribute strategy is not built for "
-                                         "tf_keras (the gradients it sees are not all-reduced yet)")
+        # the model's strategy (a Monitor made outside strategy.scope() too): its variables are made there
+        strategy = model.distribute_strategy
+        self._replicas = strategy.num_replicas_in_sync
         self.path, self.every, self.attribution, self.model_ = path, every, attribution, model
         self.policy = _phase0(policy)
         rows = plan(model, self.policy, warn=False).rows
         self._groups = self._variables_by_layer(model, {r.path: r.compute_dtype for r in rows})
         self.layers = [r.path for r in rows if r.path]
         self._seen, self._first, self._last, self._skipped, self._ended_at = 0, None, None, 0, None
-        with tf.init_scope():
-            self._sample = tf.Variable(True, trainable=False, name="ampbridge_monitor_sample")
-            self._found_inf = tf.Variable(False, trainable=False, name="ampbridge_monitor_found_inf")
-            self._loss = tf.Variable(np.nan, dtype=tf.float32, trainable=False, name="ampbridge_monitor_loss")
+        # under several replicas: the statistics come from the all-reduced gradients (every replica holds the
+        # same: the first one's is written); the loss is each replica's share of the global loss (summed)
+        first, total = tf.VariableAggregation.ONLY_FIRST_REPLICA, tf.VariableAggregation.SUM
+        with tf.init_scope(), strategy.scope():
+            self._sample = tf.Variable(True, trainable=False, name="ampbridge_monitor_sample", aggregation=first)
+            self._found_inf = tf.Variable(False, trainable=False, name="ampbridge_monitor_found_inf", aggregation=first)
+            self._loss = tf.Variable(np.nan, dtype=tf.float32, trainable=False, name="ampbridge_monitor_loss",
+                                     aggregation=total)
             self._stats = tf.Variable(np.zeros((max(len(self._groups), 1), len(STAT_KEYS)), np.float32),
-                                      trainable=False, name="ampbridge_monitor_stats")
+                                      trainable=False, name="ampbridge_monitor_stats", aggregation=first)
         self._wrap(model, opt)
         self._scale_used = float(opt.loss_scale.numpy())  # a custom loop's first step (fit's reads it again)
         cfg = self.policy.resolved_loss_scale
@@ -135,7 +139,13 @@ class Monitor(tf_keras.callbacks.Callback):
 
         def observed_apply(grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
             grads_and_vars = list(grads_and_vars)
-            self._observe(grads_and_vars, opt.loss_scale)
+            seen = grads_and_vars
+            aggregate = not (args[0] if args else kwargs.get("skip_gradients_aggregation", False)) and kwargs.get(
+                "experimental_aggregate_gradients", True)
+            if self._replicas > 1 and aggregate:
+                # what the optimizer applies: the gradients all-reduced, as its apply_gradients does it next
+                seen = opt.inner_optimizer.aggregate_gradients(grads_and_vars)
+            self._observe(list(seen), opt.loss_scale)
             return apply_gradients(grads_and_vars, *args, **kwargs)
 
         def observed_loss(*args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ from ...core.loss_scale import LossScaleState, enter_phase
 from ...core.plan import build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
+from ..common import PhaseClock
 from .apply import _switch
 from .environment import FRAMEWORK, resolve_policy, set_matmul_precision
 from .layers import _describe
@@ -31,7 +32,7 @@ def _set_state(ref: _ReferenceState, state: LossScaleState) -> None:
     ref.hysteresis_left.assign(state.hysteresis_left)
 
 
-class PhaseCallback(tf_keras.callbacks.Callback):
+class PhaseCallback(PhaseClock, tf_keras.callbacks.Callback):
     """Runs a policy's ``[[phase]]`` schedule during ``fit``.
 
     At each epoch (or step, for an ``until_step`` schedule) boundary it sets every layer's
@@ -50,13 +51,10 @@ class PhaseCallback(tf_keras.callbacks.Callback):
         'epoch'
     """
 
-    def __init__(self, policy: Policy | str):
+    def __init__(self, policy: Policy | str, *, optimizer: Any = None):
         super().__init__()
-        self.policy = resolve_policy(policy)[0]
-        self.phase: int | None = -1  # index in force (None: after the last phase); -1: none yet
-        self.switches: list[tuple[int, int | None]] = []  # (epoch or step, phase index) at each switch
-        self._step = 0
-        self._epoch_first_step = 0
+        self._start_clock(resolve_policy(policy)[0])
+        self._opt = optimizer  # a custom loop's, when the model is not compiled with it
 
     def on_train_begin(self, logs: Any = None) -> None:
         applied = getattr(self.model, "_ampbridge_policy", None)
@@ -64,7 +62,8 @@ class PhaseCallback(tf_keras.callbacks.Callback):
             raise UnsupportedOptionError(
                 "PhaseCallback: apply the model with this same schedule first (model = ampbridge.tf_keras.apply(model, "
                 "policy)): Keras 2 makes each layer's variables for the dtypes every phase runs in")
-        opt = getattr(self.model, "optimizer", None)
+        opt = self._opt if self._opt is not None else getattr(self.model, "optimizer", None)
+        self._opt = opt
         self._ref = getattr(opt, "_loss_scale", None)
         if not isinstance(self._ref, _ReferenceState):
             raise UnsupportedOptionError(
@@ -73,25 +72,7 @@ class PhaseCallback(tf_keras.callbacks.Callback):
         self._described, self._by_path = _describe(self.model)
         self._step = int(self._ref.steps.numpy())  # every step seen, skipped ones included
 
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch_first_step = self._step
-        if self.policy.phase_unit != "step":
-            self._enter(self.policy.phase_index(epoch=epoch), epoch, epoch=epoch)
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self._step = self._epoch_first_step + batch
-        if self.policy.phase_unit == "step":
-            self._enter(self.policy.phase_index(step=self._step), self._step, step=self._step)
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._step = self._epoch_first_step + batch + 1
-
-    def _enter(self, index: int | None, at: int, **where: int) -> None:
-        if index == self.phase:
-            return
-        first = self.phase == -1
-        self.phase = index
-        self.switches.append((at, index))
+    def _switch(self, index: int | None, first: bool, **where: int) -> None:
         active = self.policy.at(**where)
         set_matmul_precision(active.matmul_precision)
         _switch(self._by_path, {r.path: r for r in build_plan(self._described, active, framework=FRAMEWORK, warn=False)})
@@ -100,5 +81,27 @@ class PhaseCallback(tf_keras.callbacks.Callback):
         if cfg != self._ref.config or reset:
             _set_state(self._ref, enter_phase(cfg, _state(self._ref), previous=self._ref.config, reset=reset))
             self._ref.config = cfg
-        # fit calls model.train_function each step: the new one traces the phase's policies and settings
-        self.model.train_function = self.model.make_train_function(force=True)
+        if getattr(self.model, "optimizer", None) is not None:
+            # fit calls model.train_function each step: the new one traces the phase's policies and settings
+            self.model.train_function = self.model.make_train_function(force=True)
+
+    def enter(self, *, step: int | None = None, epoch: int | None = None) -> bool:
+        """A custom loop's boundary check, before each step (``step``) or epoch (``epoch``, for an
+        ``until_epoch`` schedule): sets the phase in force there, as in ``fit``. True when a phase
+        began: trace the loop's ``tf.function`` again (a traced step keeps the dtypes it was traced
+        with). Call ``set_model(model)`` first; the optimizer is the model's, or ``optimizer=``.
+
+        Example:
+            >>> # cb = PhaseCallback(policy, optimizer=opt); cb.set_model(model)
+            >>> # for step, batch in enumerate(data):
+            >>> #     if cb.enter(step=step): train_step = tf.function(one_step)
+        """
+        unit = self.policy.phase_unit or "step"
+        at = step if unit == "step" else epoch
+        if at is None:
+            raise ValueError(f"PhaseCallback.enter: this schedule changes phase by {unit}; pass {unit}=N")
+        if self.phase == -1:
+            self.on_train_begin()
+        before = self.phase
+        self._enter(self.policy.phase_index(**{unit: at}) if self.policy.phases else None, at, **{unit: at})
+        return self.phase != before

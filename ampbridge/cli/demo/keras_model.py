@@ -7,7 +7,7 @@ import math
 import keras
 from keras import layers, ops
 
-from .model import CONFIG, Config, weights
+from .model import CONFIG, Config, load_keras_weights, weights
 
 
 class SelfAttention(layers.Layer):
@@ -72,27 +72,11 @@ class DemoModel(keras.Model):
         return self.head(self.norm(self.block(self.embed(tokens))))
 
 
-def _walk(layer, prefix=""):
-    for sub in layer._layers:
-        path = f"{prefix}{sub.name}"
-        yield path, sub
-        yield from _walk(sub, path + ".")
-
-
 def build(seed: int = 0, config: Config = CONFIG) -> DemoModel:
     """The model, built, with the shared initial weights."""
     model = DemoModel(config, name="demo")
     model(ops.zeros((config.batch, config.seq), dtype="int32"))
-    w = weights(seed, config)
-    for path, layer in _walk(model):
-        if isinstance(layer, layers.Embedding):
-            layer.embeddings.assign(w[f"{path}.embedding"])
-        elif isinstance(layer, layers.LayerNormalization):
-            layer.gamma.assign(w[f"{path}.scale"])
-            layer.beta.assign(w[f"{path}.bias"])
-        elif isinstance(layer, layers.Dense):
-            layer.kernel.assign(w[f"{path}.kernel"])
-            layer.bias.assign(w[f"{path}.bias"])
+    load_keras_weights(model, weights(seed, config), lambda layer: layer._layers, layers)
     return model
 
 

@@ -80,3 +80,25 @@ def batches(steps: int, seed: int = 1, config: Config = CONFIG) -> list[tuple[np
         x = rng.integers(0, config.vocab, (config.batch, config.seq)).astype(np.int32)
         out.append((x, ((x + 1) % config.vocab).astype(np.int32)))
     return out
+
+
+def load_keras_weights(model, w: dict[str, np.ndarray], children, layers) -> None:
+    """The shared weights ``w`` into a built Keras model (Keras 3 or tf.keras 2: the same layer classes,
+    names and variable names); ``children(layer)`` lists a layer's direct sublayers, ``layers`` is the
+    framework's ``layers`` module."""
+
+    def walk(layer, prefix=""):
+        for sub in children(layer):
+            path = f"{prefix}{sub.name}"
+            yield path, sub
+            yield from walk(sub, path + ".")
+
+    for path, layer in walk(model):
+        if isinstance(layer, layers.Embedding):
+            layer.embeddings.assign(w[f"{path}.embedding"])
+        elif isinstance(layer, layers.LayerNormalization):
+            layer.gamma.assign(w[f"{path}.scale"])
+            layer.beta.assign(w[f"{path}.bias"])
+        elif isinstance(layer, layers.Dense):
+            layer.kernel.assign(w[f"{path}.kernel"])
+            layer.bias.assign(w[f"{path}.bias"])

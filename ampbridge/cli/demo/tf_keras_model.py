@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_keras
 from tf_keras import layers
 
-from .model import CONFIG, Config, weights
+from .model import CONFIG, Config, load_keras_weights, weights
 
 
 class SelfAttention(layers.Layer):
@@ -63,13 +63,6 @@ class DemoModel(tf_keras.Model):
         return self.head(self.norm(self.block(self.embed(tokens))))
 
 
-def _walk(layer, prefix=""):
-    for sub in layer._flatten_layers(include_self=False, recursive=False):
-        path = f"{prefix}{sub.name}"
-        yield path, sub
-        yield from _walk(sub, path + ".")
-
-
 def build(seed: int = 0, config: Config = CONFIG, *, policy=None) -> DemoModel:
     """The model with the shared initial weights; with ``policy``, applied before it is built (Keras 2
     fixes a layer's dtype when its variables are made)."""
@@ -79,14 +72,6 @@ def build(seed: int = 0, config: Config = CONFIG, *, policy=None) -> DemoModel:
 
         model = ampbridge.tf_keras.apply(model, policy, warn=False)
     model(tf.zeros((config.batch, config.seq), dtype="int32"))
-    w = weights(seed, config)
-    for path, layer in _walk(model):
-        if isinstance(layer, layers.Embedding):
-            layer.embeddings.assign(w[f"{path}.embedding"])
-        elif isinstance(layer, layers.LayerNormalization):
-            layer.gamma.assign(w[f"{path}.scale"])
-            layer.beta.assign(w[f"{path}.bias"])
-        elif isinstance(layer, layers.Dense):
-            layer.kernel.assign(w[f"{path}.kernel"])
-            layer.bias.assign(w[f"{path}.bias"])
+    load_keras_weights(model, weights(seed, config),
+                       lambda layer: layer._flatten_layers(include_self=False, recursive=False), layers)
     return model
