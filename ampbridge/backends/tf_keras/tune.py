@@ -93,7 +93,8 @@ def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any
 
     Example:
         >>> import numpy as np, tf_keras, ampbridge
-        >>> m = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1, name="head")])
+        >>> small = tf_keras.initializers.Constant(0.01)  # fixed weights: float16 gradients that fit its range
+        >>> m = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1, name="head", kernel_initializer=small)])
         >>> data = [(np.ones((8, 4), "float32"), np.zeros((8, 1), "float32"))]
         >>> ampbridge.tf_keras.tune(m, "mixed_float16", data, "mse", steps=2).added
         ()
