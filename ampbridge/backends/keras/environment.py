@@ -133,7 +133,7 @@ def bfloat16_rounding() -> str | None:
 
 
 def _phase0(policy: Policy) -> Policy:
-    return policy.at(step=0, epoch=0) if policy.phases else policy
+    return policy.at(step=0, epoch=0)
 
 
 # --- matmul precision -------------------------------------------------------------------------

@@ -137,9 +137,9 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
             opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=cfg.initial_scale,
                                                       dynamic_growth_steps=cfg.growth_interval)
     else:
-        model = ak.apply(km.build(seed), policy.at(step=0, epoch=0) if policy.phases else policy)
+        model = ak.apply(km.build(seed), policy.at(step=0, epoch=0))
         opt = ak.optimizer(keras.optimizers.SGD(CONFIG.lr), policy)
-        run.plan = ak.plan(model, policy.at(step=0, epoch=0) if policy.phases else policy, warn=False)
+        run.plan = ak.plan(model, policy.at(step=0, epoch=0), warn=False)
     model.compile(optimizer=opt, loss=km.loss_fn, jit_compile=jit_compile)
 
     def scale_now() -> float:
@@ -328,7 +328,7 @@ def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed
 
     inject = set(inject)
     run = Run("tf_keras", None)
-    active = policy.at(step=0, epoch=0) if policy.phases else policy
+    active = policy.at(step=0, epoch=0)
     model = km.build(seed, policy=policy)  # a schedule: layers made for every phase, the first one running
     opt = atk.optimizer(tf_keras.optimizers.SGD(CONFIG.lr), policy)
     run.plan = atk.plan(model, active, warn=False)
