@@ -44,7 +44,8 @@ def _apex_dtype(r: _Reader, value: Any, path: tuple) -> str | None:
     return name
 
 
-def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
+def _apex_level(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[str, dict[str, Any]]:
+    """The opt_level and its properties, with the ones the config sets itself."""
     level = amp.get("opt_level", "O1")
     if level == "auto":
         level = "O1"
@@ -67,6 +68,11 @@ def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
             props["loss_scale"] = "dynamic"
         else:
             props["loss_scale"] = _get_number(r, amp, "loss_scale", p, 1.0, what='a number > 0 or "dynamic"')
+    return level, props
+
+
+def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
+    level, props = _apex_level(r, amp, p)
     outputs = _apex_dtype(r, amp.get("cast_model_outputs"), p + ("cast_model_outputs",))
     num_losses = _get_int(r, amp, "num_losses", p, 1, low=1, what="an integer >= 1")
     if num_losses > 1:

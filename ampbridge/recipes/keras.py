@@ -74,6 +74,21 @@ def from_keras_loss_scale_optimizer(config: Mapping[str, Any]) -> Conversion:
     return r.done(cfg, ("loss_scale",))
 
 
+def _check_keras_name(policy: Any) -> None:
+    """A Keras dtype-policy name ampbridge reads; a quantized or float64 one is refused by name."""
+    if isinstance(policy, str) and policy in _KERAS:
+        return
+    if isinstance(policy, str) and ("_from_" in policy or policy.startswith(("int", "uint", "float8", "gptq", "awq"))):
+        raise UnsupportedOptionError(f"Keras dtype policy {policy!r} is a quantized policy; ampbridge policies "
+                                     "hold float32, bfloat16 and float16 only")
+    if policy == "float64":
+        raise UnsupportedOptionError("Keras dtype policy 'float64' cannot be read: ampbridge policies hold "
+                                     "float32, bfloat16 and float16, not float64")
+    raise PolicyError([Problem("not a Keras dtype policy name", key="dtype_policy", value=policy,
+                               accepted=", ".join(_KERAS),
+                               hint=did_you_mean(str(policy), tuple(_KERAS)))])
+
+
 def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = None,
                loss_scale_factor: float | None = None) -> Conversion:
     """A Keras dtype-policy name (or a LossScaleOptimizer config dict) -> Policy.
@@ -93,17 +108,7 @@ def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = 
     if isinstance(policy, Mapping):
         return from_keras_loss_scale_optimizer(policy)
     r = _Reader("keras")
-    if not isinstance(policy, str) or policy not in _KERAS:
-        if isinstance(policy, str) and ("_from_" in policy or policy.startswith(("int", "uint", "float8", "gptq",
-                                                                                 "awq"))):
-            raise UnsupportedOptionError(f"Keras dtype policy {policy!r} is a quantized policy; ampbridge policies "
-                                         "hold float32, bfloat16 and float16 only")
-        if policy == "float64":
-            raise UnsupportedOptionError("Keras dtype policy 'float64' cannot be read: ampbridge policies hold "
-                                         "float32, bfloat16 and float16, not float64")
-        raise PolicyError([Problem("not a Keras dtype policy name", key="dtype_policy", value=policy,
-                                   accepted=", ".join(_KERAS),
-                                   hint=did_you_mean(str(policy), tuple(_KERAS)))])
+    _check_keras_name(policy)
     compute, variable = _KERAS[policy]
     r.origins.update(compute_dtype="dtype_policy", param_dtype="dtype_policy",
                      output_dtype="dtype_policy (layers return their compute dtype)")
