@@ -6,8 +6,6 @@ Framework-free data (docs/versions.md). ``tests/backend_<fw>/test_private_hooks.
 no longer used. The backends' version errors quote :func:`tested_range`; ``constraints-min.txt``
 pins the floors below and ``constraints.txt`` the newest (``tests/core/test_versions.py``).
 
-Names: ``TESTED``, ``HOOKS``, ``PrivateHook``, ``tested_range``, ``hooks_of``, ``scan``.
-
 Example:
     >>> tested_range("keras")
     'keras 3.12.0 to 3.15.1'
@@ -157,6 +155,8 @@ HOOKS: tuple[PrivateHook, ...] = (
        _TRACE),
     _h("._after_closure", "torch", "Lightning precision plugin's post-closure hook (trainers.py)",
        _T + "test_trainers.py"),
+    _h("._optimizers", "torch", "Accelerator._optimizers: accelerate's prepared optimizers, told a skipped step "
+       "(trainers.py, the Hugging Face Trainer callback)", _T + "test_trainers.py"),
     # ATen overload names trace() matches (private ops are what autocast dispatches to)
     *(_h(f"aten.{op}", "torch", "trace(): op kinds to report or ignore", _TRACE) for op in (
         "_cudnn_rnn", "_embedding_bag", "_fused_rms_norm", "_grouped_mm", "_log_softmax",

@@ -1,7 +1,6 @@
 """NVIDIA apex ``amp.initialize`` arguments (DeepSpeed's ``amp`` section) in and out.
 
-Holds _APEX_KEYS, _APEX_LEVELS (what each opt_level sets), _BATCHNORM_PINS, _apex (read) and
-_apex_out (write); ``from_deepspeed`` / ``to_deepspeed`` call them for ``amp``.
+``from_deepspeed`` / ``to_deepspeed`` read and write DeepSpeed's ``amp`` section through it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """DeepSpeed configs in and out: ``fp16``, ``bf16``, ``torch_autocast`` and (through apex) ``amp``.
-
-Holds from_deepspeed, to_deepspeed, DEEPSPEED_RELEASES (the two growth timings of its
-DynamicLossScaler) and _load_config_file (a ds_config.json, for Accelerate's DEEPSPEED mode).
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
 """Keras dtype-policy names and ``LossScaleOptimizer`` configs in and out (plain data: no Keras import).
-
-Holds from_keras, from_keras_loss_scale_optimizer, to_keras and _KERAS (policy name -> dtypes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
 """PyTorch Lightning / Fabric ``precision`` values in and out ("16-mixed", "bf16-true", ...).
-
-Holds from_lightning, to_lightning and the precision tables (_LIGHTNING, _LIGHTNING_ALIASES, _LIGHTNING_ALL).
 """
 
 from __future__ import annotations

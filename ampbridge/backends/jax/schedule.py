@@ -1,7 +1,5 @@
 """Precision schedules (``[[phase]]``) for a linen model: one jitted train step per phase,
 parameters re-cast and the loss-scale state moved on at each boundary.
-
-Holds: Schedule.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The device the active Keras backend computes on, and the policy that actually runs there (the
 bisect switch, ``compute_dtype = "auto"``, TensorFlow's bfloat16 truncation), and matmul precision.
-
-Names: ``device``, ``resolve_policy``, ``bfloat16_rounding``, ``set_matmul_precision``; ``_backend``
-(the active Keras backend's name), ``_phase0`` (the policy in force at step 0).
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ What runs where:
 
 A policy without pins is bit-identical to plain ``torch.autocast`` + ``torch.amp.GradScaler``:
 ampbridge adds casts only where a rule or a storage dtype needs them.
-
-Holds ``apply``, ``TorchAmp``, ``ModelNotSupportedError`` and ``_check_model``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The numerics monitor: per-layer gradient statistics, overflow attribution (which layer went
 non-finite first) and the run log ``ampbridge report`` reads.
-
-Holds ``Monitor`` and ``_to_host`` (its one device-to-host transfer per logged step).
 """
 
 from __future__ import annotations
