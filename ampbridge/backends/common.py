@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FunctionType, ModuleType
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from ..core.io import as_policy
 from ..core.kinds import KindRegistry, infer_kind
@@ -27,6 +27,37 @@ from ..core.risks import lossy_settings
 from ..diagnostics.environment import effective_policy
 from ..diagnostics.hardware import Device, resolve_auto
 from ..errors import BackendUnavailableError, LossyPolicyWarning, warn_once
+
+class StepRecord(NamedTuple):
+    """One optimizer step as the loss scaler saw it, told to a :class:`StepObserver` before the
+    scale moves (so the log holds the scale the step used).
+
+    Fields: ``step`` (the scaler's step count), ``found`` (the overflow flag on the device, > 0 when
+    non-finite; None where nothing was checked), ``known`` (the flag as the host already read it,
+    None when it did not), ``scale`` (the scale the step used; None at scale 1 without checking),
+    ``skip`` (whether a non-finite step is skipped).
+    """
+
+    step: int
+    found: Any
+    known: bool | None
+    scale: Any
+    skip: bool
+
+
+class StepObserver(Protocol):
+    """What a loss scaler tells the monitor watching it, in this order within one step: the loss it
+    scaled, the gradients before the first unscale, a fused optimizer whose gradients stay scaled,
+    then the step. A scaler holds at most one observer (``scaler.observer``)."""
+
+    def on_loss(self, outputs: Any) -> None: ...
+
+    def on_grads(self, scale: Any, step: int) -> None: ...
+
+    def on_kept_scaled(self, optimizer: Any) -> None: ...
+
+    def on_step(self, record: StepRecord) -> None: ...
+
 
 #: the extra that installs each backend's framework
 EXTRAS = {"torch": "torch", "keras": "keras", "jax": "jax", "flax": "jax", "optax": "jax", "tensorflow": "tensorflow",

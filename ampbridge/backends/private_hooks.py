@@ -6,8 +6,6 @@ Framework-free data (docs/versions.md). ``tests/backend_<fw>/test_private_hooks.
 no longer used. The backends' version errors quote :func:`tested_range`; ``constraints-min.txt``
 pins the floors below and ``constraints.txt`` the newest (``tests/core/test_versions.py``).
 
-Names: ``TESTED``, ``HOOKS``, ``PrivateHook``, ``tested_range``, ``hooks_of``, ``scan``.
-
 Example:
     >>> tested_range("keras")
     'keras 3.12.0 to 3.15.1'
@@ -23,7 +21,8 @@ import importlib
 import inspect
 import re
 from pathlib import Path
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 #: framework -> (floor, newest tested): constraints-min.txt and constraints.txt pin these
 TESTED: dict[str, tuple[str, str]] = {
@@ -156,6 +155,8 @@ HOOKS: tuple[PrivateHook, ...] = (
        _TRACE),
     _h("._after_closure", "torch", "Lightning precision plugin's post-closure hook (trainers.py)",
        _T + "test_trainers.py"),
+    _h("._optimizers", "torch", "Accelerator._optimizers: accelerate's prepared optimizers, told a skipped step "
+       "(trainers.py, the Hugging Face Trainer callback)", _T + "test_trainers.py"),
     # ATen overload names trace() matches (private ops are what autocast dispatches to)
     *(_h(f"aten.{op}", "torch", "trace(): op kinds to report or ignore", _TRACE) for op in (
         "_cudnn_rnn", "_embedding_bag", "_fused_rms_norm", "_grouped_mm", "_log_softmax",
@@ -376,63 +377,81 @@ def scan(framework: str, sources: dict[str, str] | None = None) -> dict[str, set
 
     files = _files(framework) if sources is None else [_File(m, ast.parse(t)) for m, t in sources.items()]
     for file in files:
-        tree = file.tree
-        aliases = _aliases(tree)
-        parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
-        for full in aliases.values():
-            parts = full.split(".")
-            if _first_private(parts) is not None:
-                add(full, file.module)
-        classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
-        _CONTEXT.update(aliases=aliases, classes={c.name: c for c in classes})
-        derived: set[str] = set()  # classes deriving from a framework class, directly or through ours
-        while True:
-            more = {c.name for c in classes if c.name not in derived and (_framework_base(c, aliases) or any(
-                isinstance(b, ast.Name) and b.id in derived for b in c.bases))}
-            if not more:
-                break
-            derived |= more
-        subclass_nodes: dict[int, ast.ClassDef] = {}
-        for cls in (c for c in classes if c.name in derived):
-            for n in ast.walk(cls):
-                subclass_nodes[id(n)] = cls
-        for node in ast.walk(tree):
-            owner = subclass_nodes.get(id(node))
-            if isinstance(node, ast.Attribute) and not isinstance(parents.get(id(node)), ast.Attribute):
-                parts = _chain(node)
-                if parts and parts[0] in aliases:
-                    full = aliases[parts[0]].split(".") + parts[1:]
-                    at = _first_private(full)
-                    if at is not None and at >= len(aliases[parts[0]].split(".")):
-                        keep = full if full[:2] in (["keras", "src"], ["jax", "_src"], ["tensorflow", "python"]) else full[:at + 1]
-                        add(".".join(keep), file.module)
-                    continue
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("__") \
-                    and node.attr not in _METADATA and (_chain(node) or ["self"])[0] != "self":
-                add(f"patch .{node.attr}", file.module)  # a framework class's method replaced
-            elif isinstance(node, ast.Attribute) and _private(node.attr):
-                parts = _chain(node)
-                if parts and parts[0] in aliases:
-                    continue
-                _classify(node.attr, owner, own, file.module, add)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
-                    "getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
-                arg = node.args[1]
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _private(arg.value):
-                    _classify(arg.value, owner, own, file.module, add)
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and owner is not None \
-                    and _private(node.name) and parents.get(id(node)) is owner:
-                _classify(node.name, owner, own, file.module, add, defined=True)
-            elif isinstance(node, ast.Subscript) and owner is not None and isinstance(node.slice, ast.Constant) \
-                    and isinstance(node.slice.value, str) and _private(node.slice.value):
-                _classify(node.slice.value, owner, own, file.module, add)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and owner is None:
-                parent = parents.get(id(node))
-                holder = parents.get(id(parent)) if isinstance(parent, ast.Tuple) else None
-                if isinstance(holder, ast.Assign) and any(isinstance(t, ast.Name) and t.id in _ATEN_TABLES
-                                                          for t in holder.targets) and _private(node.value):
-                    add(f"aten.{node.value}", file.module)
+        _scan_file(file, own, add)
     return found
+
+
+def _subclass_nodes(tree: ast.AST, aliases: dict[str, str]) -> dict[int, ast.ClassDef]:
+    """Every node inside a class deriving from a framework class (directly or through ours) -> that class."""
+    classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+    _CONTEXT.update(aliases=aliases, classes={c.name: c for c in classes})
+    derived: set[str] = set()
+    while True:
+        more = {c.name for c in classes if c.name not in derived and (_framework_base(c, aliases) or any(
+            isinstance(b, ast.Name) and b.id in derived for b in c.bases))}
+        if not more:
+            break
+        derived |= more
+    subclass_nodes: dict[int, ast.ClassDef] = {}
+    for cls in (c for c in classes if c.name in derived):
+        for n in ast.walk(cls):
+            subclass_nodes[id(n)] = cls
+    return subclass_nodes
+
+
+def _scan_file(file: "_File", own: Any, add: Callable[[str, str], None]) -> None:
+    """One module's private framework names, told to ``add(name, module)``."""
+    tree = file.tree
+    aliases = _aliases(tree)
+    parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    for full in aliases.values():
+        parts = full.split(".")
+        if _first_private(parts) is not None:
+            add(full, file.module)
+    subclass_nodes = _subclass_nodes(tree, aliases)
+    for node in ast.walk(tree):
+        owner = subclass_nodes.get(id(node))
+        if isinstance(node, ast.Attribute) and not isinstance(parents.get(id(node)), ast.Attribute):
+            parts = _chain(node)
+            if parts and parts[0] in aliases:
+                full = aliases[parts[0]].split(".") + parts[1:]
+                at = _first_private(full)
+                if at is not None and at >= len(aliases[parts[0]].split(".")):
+                    keep = full if full[:2] in (["keras", "src"], ["jax", "_src"], ["tensorflow", "python"]) else full[:at + 1]
+                    add(".".join(keep), file.module)
+                continue
+        _scan_node(node, owner, parents, aliases, own, file.module, add)
+
+
+def _scan_node(node: ast.AST, owner: ast.ClassDef | None, parents: dict[int, ast.AST], aliases: dict[str, str],
+               own: Any, module: str, add: Callable[[str, str], None]) -> None:
+    """A node that is not a framework module path: a patched dunder, a private attribute (by
+    attribute, getattr-like call, method of a subclass, subscript key), or an ATen table entry."""
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("__") \
+            and node.attr not in _METADATA and (_chain(node) or ["self"])[0] != "self":
+        add(f"patch .{node.attr}", module)  # a framework class's method replaced
+    elif isinstance(node, ast.Attribute) and _private(node.attr):
+        parts = _chain(node)
+        if parts and parts[0] in aliases:
+            return
+        _classify(node.attr, owner, own, module, add)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+            "getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
+        arg = node.args[1]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _private(arg.value):
+            _classify(arg.value, owner, own, module, add)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and owner is not None \
+            and _private(node.name) and parents.get(id(node)) is owner:
+        _classify(node.name, owner, own, module, add, defined=True)
+    elif isinstance(node, ast.Subscript) and owner is not None and isinstance(node.slice, ast.Constant) \
+            and isinstance(node.slice.value, str) and _private(node.slice.value):
+        _classify(node.slice.value, owner, own, module, add)
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str) and owner is None:
+        parent = parents.get(id(node))
+        holder = parents.get(id(parent)) if isinstance(parent, ast.Tuple) else None
+        if isinstance(holder, ast.Assign) and any(isinstance(t, ast.Name) and t.id in _ATEN_TABLES
+                                                  for t in holder.targets) and _private(node.value):
+            add(f"aten.{node.value}", module)
 
 
 #: tables of ATen op names the torch tracer matches against (torch.ops.aten overload names)

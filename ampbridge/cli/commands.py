@@ -469,6 +469,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    _add_policy_commands(sub)
+    _add_convert(sub)
+    _add_check(sub)
+    _add_tool_commands(sub)
+    from .tune import add_parser as add_tune
+
+    add_tune(sub)
+    return parser
+
+
+def _add_policy_commands(sub: Any) -> None:
+    """validate, show, explain: a policy file read, resolved, planned."""
     p = sub.add_parser("validate", help="check policy files; every problem listed (exit 1 if any)")
     p.add_argument("files", nargs="+", metavar="FILE", help="policy files (.toml, .yaml, .json, pyproject.toml)")
     p.set_defaults(run=cmd_validate)
@@ -491,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only-ruled", action="store_true", help="hide the rows the defaults decided")
     p.set_defaults(run=cmd_explain)
 
+
+def _add_convert(sub: Any) -> None:
     from ..recipes import DEEPSPEED_RELEASES, DEEPSPEED_VERSION, READ_FORMATS, WRITE_FORMATS
 
     p = sub.add_parser("convert", help="read another tool's AMP settings (or a policy) and write them as an "
@@ -528,6 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what jmp's device-dependent 'half' means (default float16; bfloat16 on TPU)")
     p.set_defaults(run=cmd_convert)
 
+
+def _add_check(sub: Any) -> None:
+    from ..recipes import DEEPSPEED_RELEASES, DEEPSPEED_VERSION
+
     p = sub.add_parser("check", help="compare a policy with DeepSpeed/Accelerate/Lightning/... settings; every "
                        "disagreement listed (exit 1 if any)")
     p.add_argument("policy", metavar="POLICY", help="a policy file or preset (or any recipe convert reads)")
@@ -544,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tool_version_args(p)
     p.set_defaults(run=cmd_check)
 
+
+def _add_tool_commands(sub: Any) -> None:
+    """formats, schema, report, doctor, init, demo."""
     p = sub.add_parser("formats", help="floating-point format facts of every dtype")
     p.add_argument("--json", action="store_true", help="as JSON, one object per dtype")
     p.set_defaults(run=cmd_formats)
@@ -574,11 +595,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frameworks", default=None, help="comma list (default: every installed one)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw loss and loss scale (needs matplotlib)")
     p.set_defaults(run=cmd_demo)
-
-    from .tune import add_parser as add_tune
-
-    add_tune(sub)
-    return parser
 
 
 def _version() -> str:

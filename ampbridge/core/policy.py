@@ -328,8 +328,27 @@ class Policy:
         """
         if not self.phases:
             return self
-        i = self.phase_index(step=step, epoch=epoch)
-        chosen = self.phases[i].policy if i is not None else dataclasses.replace(self, phases=())
+        return self.phase_policy(self.phase_index(step=step, epoch=epoch))
+
+    def phase_policy(self, index: int | None) -> "Policy":
+        """The policy of phase ``index`` (None: after a closed last phase, the top-level settings),
+        without the schedule; ``source`` and ``[kinds]`` are the whole policy's. Every backend's
+        phase switch asks this, so a phase's policy is worked out in one place.
+
+        Example:
+            >>> import ampbridge
+            >>> p = ampbridge.loads('''
+            ... compute_dtype = "float16"
+            ... [[phase]]
+            ... until_step = 5
+            ... compute_dtype = "float32"
+            ... ''')
+            >>> p.phase_policy(0).compute_dtype, p.phase_policy(None).compute_dtype
+            ('float32', 'float16')
+        """
+        if not self.phases:
+            return self
+        chosen = self.phases[index].policy if index is not None else dataclasses.replace(self, phases=())
         return dataclasses.replace(chosen, source=self.source, kinds=self.kinds)  # [kinds] is not per phase
 
     def replace(self, **changes: Any) -> "Policy":

@@ -82,6 +82,35 @@ def summarize(log: RunLog) -> Summary:
     origins = Counter(_origin_key(s["first_nonfinite"]) for s in steps
                       if s.get("first_nonfinite") and s["first_nonfinite"].get("where") != "unreproduced")
     unreproduced = sum(1 for s in steps if (s.get("first_nonfinite") or {}).get("where") == "unreproduced")
+    mean_underflow, nonfinite, nonfinite_steps, nonfinite_sampled = _layer_counts(steps)
+    losses = [(s["step"], s["loss"]) for s in steps if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
+    skipped_steps = [s["step"] for s in steps if s["skipped"]]
+    steps_run, counted, first_step, last_step, skipped = _counted(log, skipped_steps)
+    rebuilt = rebuild_scales(log)
+    scale_final, final_source = scales[-1], "the last logged step"
+    if rebuilt is not None:
+        scale_final, final_source = rebuilt[-1][1], "rebuilt from the policy and the skipped steps"
+    summary = Summary(
+        framework=h.get("framework", "?"), compute_dtype=h.get("compute_dtype", "?"), steps=len(steps),
+        steps_run=steps_run, steps_counted=counted, first_step=first_step, last_step=last_step,
+        skipped=skipped, skipped_steps=skipped_steps,
+        scale_min=min(scales + ([v for _, v in rebuilt] if rebuilt else [])),
+        scale_max=max(scales + ([v for _, v in rebuilt] if rebuilt else [])),
+        scale_final=scale_final, scale_final_source=final_source, min_scale=min_scale, steps_at_min_scale=at_min,
+        overflow_origins=dict(origins.most_common()), worst_underflow=mean_underflow[:5],
+        nonfinite_layers=dict(nonfinite.most_common()), nonfinite_steps=nonfinite_steps,
+        nonfinite_sampled=nonfinite_sampled, final_loss=losses[-1][1] if losses else None,
+        final_loss_step=losses[-1][0] if losses else None, unreproduced=unreproduced)
+    pinned = h.get("pinned")
+    if isinstance(pinned, dict):
+        summary.pinned = {str(k): str(v) for k, v in pinned.items()}
+    summary.advice = advise(summary)
+    return summary
+
+
+def _layer_counts(steps: list[dict[str, Any]]) -> tuple[list[tuple[str, float]], Counter[str], int, int]:
+    """Mean underflow per layer (worst first), and per layer the non-finite steps it was non-finite
+    on (statistics, else the first layer to go non-finite); how many non-finite steps, how many sampled."""
     underflow: dict[str, list[float]] = {}
     nonfinite: Counter[str] = Counter()
     nonfinite_steps = nonfinite_sampled = 0
@@ -103,35 +132,17 @@ def summarize(log: RunLog) -> Summary:
             bad.add(MODEL_INPUTS)
         nonfinite.update(bad)
     mean_underflow = sorted(((p, sum(v) / len(v)) for p, v in underflow.items()), key=lambda t: -t[1])
-    losses = [(s["step"], s["loss"]) for s in steps if isinstance(s.get("loss"), float) and math.isfinite(s["loss"])]
-    skipped_steps = [s["step"] for s in steps if s["skipped"]]
+    return mean_underflow, nonfinite, nonfinite_steps, nonfinite_sampled
+
+
+def _counted(log: RunLog, skipped_steps: list[int]) -> tuple[int, str, int | None, int | None, int]:
+    """Steps run, what counted them, the first and last step, and the skips: the closing record's
+    when the log has one, else what the logged steps show."""
     end = log.end
     if end is not None:
-        steps_run, counted, first_step, last_step = end["steps"], "closing record", end["first_step"], end["last_step"]
-        skipped = end["skipped"]
-    else:
-        steps_run = max((s["step"] for s in steps), default=-1) + 1
-        counted, first_step, last_step, skipped = "last logged step", None, None, len(skipped_steps)
-    rebuilt = rebuild_scales(log)
-    scale_final, final_source = scales[-1], "the last logged step"
-    if rebuilt is not None:
-        scale_final, final_source = rebuilt[-1][1], "rebuilt from the policy and the skipped steps"
-    summary = Summary(
-        framework=h.get("framework", "?"), compute_dtype=h.get("compute_dtype", "?"), steps=len(steps),
-        steps_run=steps_run, steps_counted=counted, first_step=first_step, last_step=last_step,
-        skipped=skipped, skipped_steps=skipped_steps,
-        scale_min=min(scales + ([v for _, v in rebuilt] if rebuilt else [])),
-        scale_max=max(scales + ([v for _, v in rebuilt] if rebuilt else [])),
-        scale_final=scale_final, scale_final_source=final_source, min_scale=min_scale, steps_at_min_scale=at_min,
-        overflow_origins=dict(origins.most_common()), worst_underflow=mean_underflow[:5],
-        nonfinite_layers=dict(nonfinite.most_common()), nonfinite_steps=nonfinite_steps,
-        nonfinite_sampled=nonfinite_sampled, final_loss=losses[-1][1] if losses else None,
-        final_loss_step=losses[-1][0] if losses else None, unreproduced=unreproduced)
-    pinned = h.get("pinned")
-    if isinstance(pinned, dict):
-        summary.pinned = {str(k): str(v) for k, v in pinned.items()}
-    summary.advice = advise(summary)
-    return summary
+        return end["steps"], "closing record", end["first_step"], end["last_step"], end["skipped"]
+    steps_run = max((s["step"] for s in log.steps), default=-1) + 1
+    return steps_run, "last logged step", None, None, len(skipped_steps)
 
 
 def advise(s: Summary) -> list[str]:

@@ -1,7 +1,6 @@
 """NVIDIA apex ``amp.initialize`` arguments (DeepSpeed's ``amp`` section) in and out.
 
-Holds _APEX_KEYS, _APEX_LEVELS (what each opt_level sets), _BATCHNORM_PINS, _apex (read) and
-_apex_out (write); ``from_deepspeed`` / ``to_deepspeed`` call them for ``amp``.
+``from_deepspeed`` / ``to_deepspeed`` read and write DeepSpeed's ``amp`` section through it.
 """
 
 from __future__ import annotations
@@ -44,7 +43,8 @@ def _apex_dtype(r: _Reader, value: Any, path: tuple) -> str | None:
     return name
 
 
-def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
+def _apex_level(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[str, dict[str, Any]]:
+    """The opt_level and its properties, with the ones the config sets itself."""
     level = amp.get("opt_level", "O1")
     if level == "auto":
         level = "O1"
@@ -67,6 +67,11 @@ def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
             props["loss_scale"] = "dynamic"
         else:
             props["loss_scale"] = _get_number(r, amp, "loss_scale", p, 1.0, what='a number > 0 or "dynamic"')
+    return level, props
+
+
+def _apex(r: _Reader, amp: Mapping[str, Any], p: tuple) -> tuple[dict, dict]:
+    level, props = _apex_level(r, amp, p)
     outputs = _apex_dtype(r, amp.get("cast_model_outputs"), p + ("cast_model_outputs",))
     num_losses = _get_int(r, amp, "num_losses", p, 1, low=1, what="an integer >= 1")
     if num_losses > 1:

@@ -1,7 +1,4 @@
 """DeepSpeed configs in and out: ``fp16``, ``bf16``, ``torch_autocast`` and (through apex) ``amp``.
-
-Holds from_deepspeed, to_deepspeed, DEEPSPEED_RELEASES (the two growth timings of its
-DynamicLossScaler) and _load_config_file (a ds_config.json, for Accelerate's DEEPSPEED mode).
 """
 
 from __future__ import annotations
@@ -404,6 +401,13 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, version: str) -> t
     if static:
         r.origins["loss_scale.initial_scale"] = "fp16.loss_scale"
         return fields, {"mode": "static", "initial_scale": static, "skip_nonfinite": True}
+    return fields, _ds_fp16_dynamic(r, fp16, stage, version)
+
+
+def _ds_fp16_dynamic(r: _Reader, fp16: Mapping[str, Any], stage: int, version: str) -> dict[str, Any]:
+    """The dynamic loss scale of ``fp16`` (no static ``loss_scale``): hysteresis only under ZeRO,
+    the first growth one step late where the release's stable_interval test says so."""
+    p = ("fp16",)
     power = _get_int(r, fp16, "initial_scale_power", p, 16, what="an integer from -126 to 127")
     if not -126 <= power <= 127:
         r.problem(p + ("initial_scale_power",), "2**initial_scale_power must be a float32 number", value=power,
@@ -438,10 +442,10 @@ def _ds_fp16(r: _Reader, fp16: Mapping[str, Any], stage: int, version: str) -> t
     r.note("DeepSpeed keeps its loss scale in a Python float, which may grow past float32's range; ampbridge's "
            "scale stops growing at float32's largest power of two. The two differ only once the scale passes "
            "2**127, which needs every gradient below 2**-111 for over a hundred growth windows")
-    return fields, {"mode": "dynamic", "initial_scale": math.ldexp(1.0, power), "growth_factor": 2.0,
-                    "backoff_factor": 0.5, "growth_interval": window, "hysteresis": hysteresis,
-                    "consecutive_hysteresis": consecutive, "min_scale": min_scale, "on_min_scale": on_min,
-                    "skip_nonfinite": True, **first}
+    return {"mode": "dynamic", "initial_scale": math.ldexp(1.0, power), "growth_factor": 2.0,
+            "backoff_factor": 0.5, "growth_interval": window, "hysteresis": hysteresis,
+            "consecutive_hysteresis": consecutive, "min_scale": min_scale, "on_min_scale": on_min,
+            "skip_nonfinite": True, **first}
 
 
 def _ds_bf16(r: _Reader, bf16: Mapping[str, Any], p: tuple, stage: int, version: str,

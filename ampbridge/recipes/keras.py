@@ -1,6 +1,4 @@
 """Keras dtype-policy names and ``LossScaleOptimizer`` configs in and out (plain data: no Keras import).
-
-Holds from_keras, from_keras_loss_scale_optimizer, to_keras and _KERAS (policy name -> dtypes).
 """
 
 from __future__ import annotations
@@ -90,6 +88,21 @@ def _from_keras_float8(policy: Any, lso: Mapping[str, Any] | None, factor: float
                       "keras", "ampbridge", inner.state, inner.covers | {"fp8"}, {**inner.origins, **r.origins})
 
 
+def _check_keras_name(policy: Any) -> None:
+    """A Keras dtype-policy name ampbridge reads; a quantized or float64 one is refused by name."""
+    if isinstance(policy, str) and policy in _KERAS:
+        return
+    if isinstance(policy, str) and ("_from_" in policy or policy.startswith(("int", "uint", "float8", "gptq", "awq"))):
+        raise UnsupportedOptionError(f"Keras dtype policy {policy!r} is a quantized policy; ampbridge policies "
+                                     "hold float32, bfloat16 and float16 only")
+    if policy == "float64":
+        raise UnsupportedOptionError("Keras dtype policy 'float64' cannot be read: ampbridge policies hold "
+                                     "float32, bfloat16 and float16, not float64")
+    raise PolicyError([Problem("not a Keras dtype policy name", key="dtype_policy", value=policy,
+                               accepted=", ".join(_KERAS),
+                               hint=did_you_mean(str(policy), tuple(_KERAS)))])
+
+
 def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = None,
                loss_scale_factor: float | None = None) -> Conversion:
     """A Keras dtype-policy name (or a LossScaleOptimizer config dict) -> Policy.
@@ -116,17 +129,7 @@ def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = 
     if isinstance(policy, Mapping):
         return from_keras_loss_scale_optimizer(policy)
     r = _Reader("keras")
-    if not isinstance(policy, str) or policy not in _KERAS:
-        if isinstance(policy, str) and ("_from_" in policy or policy.startswith(("int", "uint", "float8", "gptq",
-                                                                                 "awq"))):
-            raise UnsupportedOptionError(f"Keras dtype policy {policy!r} is a quantized policy; ampbridge policies "
-                                         "hold float32, bfloat16 and float16 only")
-        if policy == "float64":
-            raise UnsupportedOptionError("Keras dtype policy 'float64' cannot be read: ampbridge policies hold "
-                                         "float32, bfloat16 and float16, not float64")
-        raise PolicyError([Problem("not a Keras dtype policy name", key="dtype_policy", value=policy,
-                                   accepted=", ".join(_KERAS),
-                                   hint=did_you_mean(str(policy), tuple(_KERAS)))])
+    _check_keras_name(policy)
     compute, variable = _KERAS[policy]
     r.origins.update(compute_dtype="dtype_policy", param_dtype="dtype_policy",
                      output_dtype="dtype_policy (layers return their compute dtype)")

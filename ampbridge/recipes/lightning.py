@@ -1,6 +1,4 @@
 """PyTorch Lightning / Fabric ``precision`` values in and out ("16-mixed", "bf16-true", ...).
-
-Holds from_lightning, to_lightning and the precision tables (_LIGHTNING, _LIGHTNING_ALIASES, _LIGHTNING_ALL).
 """
 
 from __future__ import annotations
@@ -63,59 +61,15 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
         ('float16', 'float32', 'dynamic', 65536.0)
     """
     r = _Reader("lightning")
-    name = _LIGHTNING_ALIASES.get(precision, precision)
-    if isinstance(precision, bool) or not isinstance(name, str) or name not in _LIGHTNING_ALL:
-        hint = did_you_mean(str(precision), _LIGHTNING_ALL + ("16", "32", "64", "bf16"))
-        raise PolicyError([Problem("not a Lightning precision", key="precision", value=precision,
-                                   accepted=", ".join(_LIGHTNING_ALL) + ", and 16, 32, 64, '16', '32', '64', 'bf16'",
-                                   hint=hint)])
-    if name == "64-true":
-        raise UnsupportedOptionError("precision='64-true' cannot be read: ampbridge policies hold float32, "
-                                     "bfloat16 and float16, not float64")
-    if name.startswith("transformer-engine"):
-        raise UnsupportedOptionError(f"precision={name!r} cannot be read: it runs fp8 matmuls through NVIDIA "
-                                     "TransformerEngine, and ampbridge policies compute in float32, bfloat16 or "
-                                     "float16 (the closest is 'bf16-mixed')")
-    v, unknown = _rel.lightning(lightning_version)
-    refused = _rel.lightning_name_problem(name, precision, v)
-    if refused:
-        raise PolicyError([Problem(refused, key="precision", value=precision, accepted="a precision that release "
-                                   "accepts, or --lightning-version for the release you run")])
-    if unknown:
-        r.loss("lightning_version", ".".join(map(str, v)), unknown)
-    if name != precision:
-        r.note(f"precision={precision!r} is Lightning's alias of {name!r}")
+    name = _lightning_name(precision)
+    v = _lightning_release(r, name, precision, lightning_version)
     if api not in (None, "trainer", "fabric"):
         raise ValueError(f"api={api!r}; accepted: trainer, fabric")
     if device not in (None, "cuda", "cpu"):
         raise ValueError(f"device={device!r}; accepted: cuda, cpu")
-    if name == "16-mixed" and device == "cpu" and _rel.lightning_cpu_16_problem(v):
-        raise PolicyError([Problem(str(_rel.lightning_cpu_16_problem(v)), key="precision", value=precision,
-                                   accepted="device='cuda', or Lightning 1.5.0 or later")])
-    if name == "16-mixed" and device == "cpu":
-        if grad_scaler:
-            r.problem(("grad_scaler",), "on CPU Lightning runs '16-mixed' as 'bf16-mixed', without a GradScaler",
-                      value=dict(grad_scaler), accepted="no grad_scaler with device='cpu'")
-        name, grad_scaler = "bf16-mixed", None
-        r.note("precision '16-mixed' on CPU: Lightning (1.5.0 and later, PR 10033) switches to 'bf16-mixed' (fp16 "
-               "AMP is not supported on CPU); read so")
-    elif name == "16-mixed":
-        r.note("read for CUDA: on CPU (accelerator='cpu') Lightning switches '16-mixed' to 'bf16-mixed'; pass "
-               "device='cpu' (--device cpu) for that")
+    name, grad_scaler = _lightning_device(r, name, precision, grad_scaler, device, v)
     compute, param = _LIGHTNING[name]
-    output = "float32"
-    if api is None and name.endswith("-mixed"):
-        r.loss("output_dtype", "float32", f"Fabric converts outputs to float32; Lightning's Trainer does not under "
-               f"{name!r} ({compute} from a final Linear): pass api='fabric' or 'trainer' (--lightning-api)")
-    elif api == "trainer" and name.endswith("-mixed"):
-        output = compute
-        r.loss("output_dtype", compute, f"Lightning's Trainer does not convert training_step outputs under {name!r}: "
-               f"they come out in the dtype of the model's last op ({compute} for a final Linear, float32 after a "
-               "float32 op such as softmax); Fabric converts them to float32 (api='fabric')")
-    elif api == "trainer" and name.endswith("-true"):
-        output = compute
-        r.note(f"Lightning's Trainer returns {name!r} outputs in the model's dtype ({compute}); Fabric converts them "
-               "to float32 (api='fabric')")
+    output = _lightning_output(r, name, compute, api)
     r.origins.update(compute_dtype="precision", param_dtype="precision",
                      output_dtype="Fabric's convert_output (float32)" if output == "float32" else
                      "Lightning's Trainer (no output conversion)", keep_float32="precision (no module pins)",
@@ -132,6 +86,74 @@ def from_lightning(precision: Any, *, grad_scaler: Mapping[str, Any] | None = No
     fields = {"compute_dtype": compute, "param_dtype": param, "output_dtype": output, "reduce_dtype": param}
     policy = _construct(r, lambda: Policy(**fields, loss_scale=LossScaleConfig(**ls)))
     return r.done(policy, _ALL_BUT_MATMUL)
+
+
+def _lightning_name(precision: Any) -> str:
+    """Lightning's canonical name of ``precision``; what ampbridge cannot hold is refused by name."""
+    name = _LIGHTNING_ALIASES.get(precision, precision)
+    if isinstance(precision, bool) or not isinstance(name, str) or name not in _LIGHTNING_ALL:
+        hint = did_you_mean(str(precision), _LIGHTNING_ALL + ("16", "32", "64", "bf16"))
+        raise PolicyError([Problem("not a Lightning precision", key="precision", value=precision,
+                                   accepted=", ".join(_LIGHTNING_ALL) + ", and 16, 32, 64, '16', '32', '64', 'bf16'",
+                                   hint=hint)])
+    if name == "64-true":
+        raise UnsupportedOptionError("precision='64-true' cannot be read: ampbridge policies hold float32, "
+                                     "bfloat16 and float16, not float64")
+    if name.startswith("transformer-engine"):
+        raise UnsupportedOptionError(f"precision={name!r} cannot be read: it runs fp8 matmuls through NVIDIA "
+                                     "TransformerEngine, and ampbridge policies compute in float32, bfloat16 or "
+                                     "float16 (the closest is 'bf16-mixed')")
+    return name
+
+
+def _lightning_release(r: Any, name: str, precision: Any, lightning_version: str | None) -> Any:
+    """The Lightning release read for (a name it does not accept is refused); notes the alias."""
+    v, unknown = _rel.lightning(lightning_version)
+    refused = _rel.lightning_name_problem(name, precision, v)
+    if refused:
+        raise PolicyError([Problem(refused, key="precision", value=precision, accepted="a precision that release "
+                                   "accepts, or --lightning-version for the release you run")])
+    if unknown:
+        r.loss("lightning_version", ".".join(map(str, v)), unknown)
+    if name != precision:
+        r.note(f"precision={precision!r} is Lightning's alias of {name!r}")
+    return v
+
+
+def _lightning_device(r: Any, name: str, precision: Any, grad_scaler: Mapping[str, Any] | None,
+                      device: str | None, v: Any) -> tuple[str, Mapping[str, Any] | None]:
+    """'16-mixed' on CPU is Lightning's 'bf16-mixed' (without a GradScaler)."""
+    if name == "16-mixed" and device == "cpu" and _rel.lightning_cpu_16_problem(v):
+        raise PolicyError([Problem(str(_rel.lightning_cpu_16_problem(v)), key="precision", value=precision,
+                                   accepted="device='cuda', or Lightning 1.5.0 or later")])
+    if name == "16-mixed" and device == "cpu":
+        if grad_scaler:
+            r.problem(("grad_scaler",), "on CPU Lightning runs '16-mixed' as 'bf16-mixed', without a GradScaler",
+                      value=dict(grad_scaler), accepted="no grad_scaler with device='cpu'")
+        r.note("precision '16-mixed' on CPU: Lightning (1.5.0 and later, PR 10033) switches to 'bf16-mixed' (fp16 "
+               "AMP is not supported on CPU); read so")
+        return "bf16-mixed", None
+    if name == "16-mixed":
+        r.note("read for CUDA: on CPU (accelerator='cpu') Lightning switches '16-mixed' to 'bf16-mixed'; pass "
+               "device='cpu' (--device cpu) for that")
+    return name, grad_scaler
+
+
+def _lightning_output(r: Any, name: str, compute: str, api: str | None) -> str:
+    """The output dtype: Fabric converts outputs to float32, the Trainer does not."""
+    if api is None and name.endswith("-mixed"):
+        r.loss("output_dtype", "float32", f"Fabric converts outputs to float32; Lightning's Trainer does not under "
+               f"{name!r} ({compute} from a final Linear): pass api='fabric' or 'trainer' (--lightning-api)")
+    elif api == "trainer" and name.endswith("-mixed"):
+        r.loss("output_dtype", compute, f"Lightning's Trainer does not convert training_step outputs under {name!r}: "
+               f"they come out in the dtype of the model's last op ({compute} for a final Linear, float32 after a "
+               "float32 op such as softmax); Fabric converts them to float32 (api='fabric')")
+        return compute
+    elif api == "trainer" and name.endswith("-true"):
+        r.note(f"Lightning's Trainer returns {name!r} outputs in the model's dtype ({compute}); Fabric converts them "
+               "to float32 (api='fabric')")
+        return compute
+    return "float32"
 
 
 def to_lightning(policy: Policy, *, lightning_version: str | None = None) -> Conversion:

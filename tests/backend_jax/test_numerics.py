@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ampbridge.jax as abj  # noqa: E402
-from ampbridge.backends.jax.monitor import _layer_statistics  # noqa: E402
+from ampbridge.backends.jax.stats import layer_statistics as _layer_statistics  # noqa: E402
 from ampbridge import LossScaleConfig, Policy, Rule  # noqa: E402
 from ampbridge.diagnostics.runlog import STAT_KEYS, layer_stats, read_log  # noqa: E402
 

@@ -378,7 +378,7 @@ def test_monitor_lifecycle(tmp_path):
     twin = copy.deepcopy(model)  # an EMA copy: allowed, the hooks keep one log
     assert twin[0].weight is not model[0].weight
     amp.remove()
-    assert monitor.closed and amp.scaler._monitor is None
+    assert monitor.closed and amp.scaler.observer is None
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert read_log(tmp_path / "a.jsonl").header["layers"][0] == "0"  # a header even without steps
     with pytest.raises(OSError):

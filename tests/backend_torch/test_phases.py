@@ -163,3 +163,19 @@ def test_a_checkpoint_restores_the_phase_in_force(tiny, helpers):
     amp2.load_state_dict(state)
     assert amp2.phase is None and amp2.plan["ln1"].compute_dtype == "float32"
     assert amp2.scaler.loss_scale_state() == amp.scaler.loss_scale_state()
+
+
+def test_a_phase_switch_runs_the_core_phase_policy_with_its_source(tmp_path):
+    # the policy in force after a switch is the core's lookup (Policy.at / phase_policy): the file it
+    # came from and its [kinds] are kept, as for the first phase
+    path = tmp_path / "sched.toml"
+    path.write_text('compute_dtype = "float16"\n[[phase]]\nuntil_step = 1\ncompute_dtype = "float32"\n'
+                    '[[phase]]\nuntil_step = 2\ncompute_dtype = "bfloat16"\n')
+    policy = ampbridge.load(path)
+    model = torch.nn.Linear(4, 4)
+    amp = abt.apply(model, policy)
+    assert amp.active_policy == policy.at(step=0) and amp.active_policy.source == policy.source
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    amp.step(model(torch.randn(2, 4)).float().square().mean(), opt)
+    assert amp.phase == 1 and amp.active_policy.compute_dtype == "bfloat16"
+    assert amp.active_policy == policy.at(step=1) and amp.active_policy.source == policy.source

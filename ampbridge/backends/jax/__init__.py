@@ -35,7 +35,8 @@ JAX has no AMP of its own. This adapter realises a policy with Flax's and optax'
 Rooms: ``environment`` (dtypes, device, the policy that runs), ``layers`` (kinds, rows),
 ``cast`` (pytrees), ``watch`` (the probes of :func:`numerics`), ``linen`` and ``nnx`` (each
 flavour's interception and Plan), ``apply``, ``plan``, ``loss_scale``, ``sampling`` (what
-``Monitor.wrap`` keeps between samples), ``monitor``, ``schedule``.
+``Monitor.wrap`` keeps between samples), ``stats`` (the per-layer statistics and attribution
+:func:`numerics` computes in the step), ``monitor``, ``schedule``.
 Flax and optax are imported on first use.
 
 Example:

@@ -1,9 +1,5 @@
 """Loss scaling as an optax transformation: the core's reference algorithm in float32/int32
 ``jnp`` (jit- and scan-safe, no host sync), and the helpers that find its state in any optax state.
-
-Holds: COUNTERS, PackedLossScale, AmpState, optimizer, loss_scale, scale_loss, unscale, check,
-next_loss_scale, initial_loss_scale, reset_loss_scale, enter_phase, value_and_grad, skipped, rollback,
-_advance, _mul_exact.
 """
 
 from __future__ import annotations
@@ -208,29 +204,12 @@ def _advance(cfg: LossScaleConfig, s: PackedLossScale, found_inf: jax.Array,
     else:
         def mul(factor: float) -> jax.Array:
             return _mul_exact(scale, factor)
-    as_int = functools.partial(jax.lax.bitcast_convert_type, new_dtype=i32)
-    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     exhausted = hyst <= 1
     backoff = found_inf & exhausted
-    backed = mul(cfg.backoff_factor)
-    event = jnp.zeros((), bool)
-    if cfg.min_scale is not None and floor_is_normal:
-        # a normal floor: float compare and max are exact (a flushed product loses to the floor either way)
-        event = backoff & (scale == f32(cfg.min_scale))
-        backed = jnp.maximum(backed, f32(cfg.min_scale))
-    elif cfg.min_scale is not None:
-        # non-negative float32 values order like their bit patterns: compare those (no flushing)
-        floor_bits = _f32_bits(cfg.min_scale)
-        event = backoff & (as_int(scale) == floor_bits)
-        backed = as_f32(jnp.maximum(as_int(backed), floor_bits))
+    backed, event = _backed_off(cfg, scale, mul(cfg.backoff_factor), backoff, floor_is_normal)
     good_next = good + 1
     grow = finite & (good_next == cfg.growth_interval)
-    grown = mul(cfg.growth_factor)
-    grown_ok = grow & jnp.isfinite(grown)  # isfinite reads the exponent: flushing cannot change it
-    if cfg.max_scale is not None and np.float32(cfg.max_scale) >= np.finfo(np.float32).tiny:
-        grown = jnp.minimum(grown, f32(cfg.max_scale))
-    elif cfg.max_scale is not None:
-        grown = as_f32(jnp.minimum(as_int(grown), _f32_bits(cfg.max_scale)))
+    grown, grown_ok = _grown(cfg, mul(cfg.growth_factor), grow)
     new_scale = _select(backoff, backed, _select(grown_ok, grown, scale))
     restart = jnp.full_like(good_next, restart_count(cfg))
     new_good = _select(found_inf, restart, _select(grow, jnp.zeros_like(good_next), good_next))
@@ -247,6 +226,68 @@ def _advance(cfg: LossScaleConfig, s: PackedLossScale, found_inf: jax.Array,
     halted = (hits > 0) | event
     frozen = s.replace(min_scale_hits=jnp.maximum(hits, 1))
     return jax.tree_util.tree_map(lambda a, b: jnp.where(halted, a, b), frozen, new), halted
+
+
+def _unscaled_and_finite(cfg: LossScaleConfig, ls: PackedLossScale, updates: Any, axis_name: Any
+                         ) -> tuple[Any, jax.Array]:
+    """The gradients unscaled in float32, and whether all are finite (agreed over ``axis_name``)."""
+    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
+    if cfg.mode in ("dynamic", "static"):
+        inv = jnp.ones((), jnp.float32) / ls.scale
+        grads = jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), updates)
+    else:
+        grads = updates
+    finite = _all_finite(grads) if checks_finite else jnp.ones((), bool)
+    if axis_name is not None and checks_finite:  # data parallel: every device skips together
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+    return grads, finite
+
+
+def _take_update(cfg: LossScaleConfig, finite: jax.Array, halted: jax.Array, ls: PackedLossScale
+                 ) -> jax.Array | None:
+    """Whether the inner update is taken (None: always); all conditions must hold (no double
+    negation in the program)."""
+    keep_conditions = []
+    if cfg.skip_nonfinite:
+        keep_conditions.append(~_skips(cfg, ~finite, ls.nonfinite_streak) if
+                               cfg.max_consecutive_skips is not None else finite)
+    if cfg.on_min_scale == "error" and cfg.min_scale is not None:
+        keep_conditions.append(~halted)
+    return functools.reduce(jnp.logical_and, keep_conditions) if keep_conditions else None
+
+
+def _as_int(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _as_f32(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.float32)
+
+
+def _backed_off(cfg: LossScaleConfig, scale: jax.Array, backed: jax.Array, backoff: jax.Array,
+                floor_is_normal: bool) -> tuple[jax.Array, jax.Array]:
+    """The backed-off scale held at ``min_scale``, and whether this backoff hit the floor."""
+    f32 = np.float32
+    if cfg.min_scale is not None and floor_is_normal:
+        # a normal floor: float compare and max are exact (a flushed product loses to the floor either way)
+        event = backoff & (scale == f32(cfg.min_scale))
+        return jnp.maximum(backed, f32(cfg.min_scale)), event
+    if cfg.min_scale is not None:
+        # non-negative float32 values order like their bit patterns: compare those (no flushing)
+        floor_bits = _f32_bits(cfg.min_scale)
+        event = backoff & (_as_int(scale) == floor_bits)
+        return _as_f32(jnp.maximum(_as_int(backed), floor_bits)), event
+    return backed, jnp.zeros((), bool)
+
+
+def _grown(cfg: LossScaleConfig, grown: jax.Array, grow: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The grown scale held at ``max_scale``, and whether growing happens (a finite product only)."""
+    grown_ok = grow & jnp.isfinite(grown)  # isfinite reads the exponent: flushing cannot change it
+    if cfg.max_scale is not None and np.float32(cfg.max_scale) >= np.finfo(np.float32).tiny:
+        grown = jnp.minimum(grown, np.float32(cfg.max_scale))
+    elif cfg.max_scale is not None:
+        grown = _as_f32(jnp.minimum(_as_int(grown), _f32_bits(cfg.max_scale)))
+    return grown, grown_ok
 
 
 def _skips(cfg: LossScaleConfig, found_inf: jax.Array, streak_before: jax.Array) -> jax.Array:
@@ -379,8 +420,6 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
         raise UnsupportedOptionError("ampbridge.jax.optimizer: host_callback=True reports on_min_scale "
                                      "'warn'/'error'; this policy's on_min_scale is 'clamp'")
     report = _host_report(cfg.on_min_scale, cfg.min_scale) if host_callback else None
-    scaled = cfg.mode in ("dynamic", "static")
-    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
 
     verified = [False]  # the first-step guard (_verify_first_update) has passed
 
@@ -392,28 +431,15 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
             raise TypeError(f"ampbridge.jax.optimizer: expected the AmpState from this transformation's "
                             f"init; received {type(state).__name__}")
         ls = state.loss_scale
-        if scaled:
-            inv = jnp.ones((), jnp.float32) / ls.scale
-            grads = jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), updates)
-        else:
-            grads = updates
-        finite = _all_finite(grads) if checks_finite else jnp.ones((), bool)
-        if axis_name is not None and checks_finite:  # data parallel: every device skips together
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+        grads, finite = _unscaled_and_finite(cfg, ls, updates, axis_name)
         new_ls, halted = _advance(cfg, ls, ~finite, finite)
         if report is not None:
             event = new_ls.min_scale_hits > ls.min_scale_hits
             jax.debug.callback(report, event, ls.steps)
         inner_updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         proposed = inner_updates
-        keep_conditions = []  # the update is taken when all hold (no double negation in the program)
-        if cfg.skip_nonfinite:
-            keep_conditions.append(~_skips(cfg, ~finite, ls.nonfinite_streak) if
-                                   cfg.max_consecutive_skips is not None else finite)
-        if cfg.on_min_scale == "error" and cfg.min_scale is not None:
-            keep_conditions.append(~halted)
-        if keep_conditions:
-            take = functools.reduce(jnp.logical_and, keep_conditions)
+        take = _take_update(cfg, finite, halted, ls)
+        if take is not None:
             inner_updates, inner_state = _keep_or_skip(take, inner_updates, inner_state, state.inner_state)
         if not verified[0]:
             verified[0] = _verify_first_update(finite & ~halted, ls, new_ls, proposed, inner_updates)

@@ -1,9 +1,5 @@
 """Numerics diagnostics: per-layer gradient statistics and overflow attribution computed inside the
 jitted step (:func:`numerics`), and the :class:`Monitor` that writes them to the shared run log.
-
-Holds: Numerics, numerics, Monitor (and Monitor.wrap: the step without a monitor between samples,
-skipped steps replayed), _layer_statistics, _leaf_statistics, _underflow_limit_bits, _attribute,
-_owned_leaves, _leaves_of, _numerics_in (the window kept between samples: sampling.py).
 """
 
 from __future__ import annotations
@@ -19,15 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import io as _io
-from ...core.matching import join_path
 from ...core.plan import Plan
 from .apply import Applied
 from .environment import FRAMEWORK
-from .layers import _key_name
-from .loss_scale import (_F32_INF_BITS, _advance, _all_finite, _f32_bits, _unscale_leaf, loss_scale, scale_loss,
-                         value_and_grad)
+from .loss_scale import _advance, _all_finite, _unscale_leaf, loss_scale, scale_loss, value_and_grad
 from .nnx import _nnx_key, _nnx_path
 from .sampling import _restore, _scale_state, _snapshot, _Window
+from .stats import attribute, layer_statistics, leaves_of, owned_leaves
 from .watch import _WATCH, _Watch, _boundary_origin, _first_boundary
 
 if TYPE_CHECKING:
@@ -112,138 +106,6 @@ class Numerics:
                 "where": where}
 
 
-_F32_ABS = 0x7FFFFFFF
-
-
-def _underflow_limit_bits(scale: jax.Array, e: int) -> jax.Array:
-    """The bits of the smallest float32 >= ``scale * 2**-e`` (exact, from integer arithmetic).
-
-    Non-negative float32 values order like their bit patterns, so ``|g| < scale * 2**-e`` is
-    ``bits(|g|) < this`` for every float32 ``g``: no float comparison, which XLA's CPU would make
-    with subnormals flushed to zero (bfloat16's limit, 2**-133 times the scale, is subnormal).
-    """
-    bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32) & _F32_ABS
-    exp, man = bits >> 23, bits & 0x7FFFFF
-    normal = bits - (e << 23)  # the exponent field drops by e, the significand stays
-    significand = jnp.where(exp == 0, man, man | 0x800000)
-    shift = jnp.clip(e + 1 - jnp.maximum(exp, 1), 0, 25)  # to subnormal units of 2**-149
-    subnormal = (significand + (1 << shift) - 1) >> shift  # rounded up: a strict limit stays strict
-    return jnp.where(exp - e >= 1, normal, jnp.where(bits == 0, 0, subnormal))
-
-
-def _leaf_statistics(g: jax.Array, limit_bits: jax.Array, max_bits: int) -> tuple[jax.Array, ...]:
-    """(zero, non-finite, underflow, overflow) counts and the bits of the finite max |g| of one leaf.
-
-    All from the bit pattern of ``|g|`` (float16/bfloat16 gradients widen to float32 exactly).
-    """
-    x = g.astype(jnp.float32) if g.dtype != jnp.float32 else g
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_ABS
-    finite = bits < _F32_INF_BITS
-    i32 = jnp.int32
-    # one variadic reduce: one pass over the gradient (five separate ones cost ~20% more here)
-    operands = ((bits == 0).astype(i32), (~finite).astype(i32),
-                ((bits != 0) & (bits < limit_bits)).astype(i32), (finite & (bits > max_bits)).astype(i32),
-                jnp.where(finite, bits, 0))
-    zero = jnp.zeros((), i32)
-
-    def combine(a: tuple, b: tuple) -> tuple:
-        return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], jnp.maximum(a[4], b[4]))
-
-    return jax.lax.reduce(operands, (zero,) * 5, combine, tuple(range(x.ndim)))
-
-
-def _layer_statistics(owned: Mapping[str, list], compute: Mapping[str, str], scale: jax.Array
-                      ) -> tuple[jax.Array, jax.Array]:
-    """``counts`` (L, 4) int32 and ``magnitudes`` (L, 2) float32 for the layers in ``owned``."""
-    from ...core.dtypes import formats
-
-    counts, magnitudes = [], []
-    limits: dict[str, jax.Array] = {}
-    for path, leaves in owned.items():
-        fmt = formats()[compute[path]]
-        if fmt.name not in limits:
-            e = int(round(-np.log2(fmt.smallest_subnormal)))  # a power of two in every format
-            limits[fmt.name] = _underflow_limit_bits(scale, e)
-        parts = [_leaf_statistics(g, limits[fmt.name], _f32_bits(fmt.max)) for g in leaves]
-        layer_counts = [functools.reduce(jnp.add, [p[k] for p in parts]) for k in range(4)]
-        counts.append(jnp.stack(layer_counts))
-        top_bits = functools.reduce(jnp.maximum, [p[4] for p in parts])
-        top = jax.lax.bitcast_convert_type(top_bits, jnp.float32)
-        # squares relative to a power of two near the maximum: no float32 overflow, exact scaling
-        unit = jax.lax.bitcast_convert_type(jnp.clip(254 - (top_bits >> 23), 1, 254) << 23, jnp.float32)
-        squares = functools.reduce(jnp.add, [
-            jnp.sum(jnp.where(jnp.isfinite(x), jnp.square(x * unit), 0.0))
-            for x in (g.astype(jnp.float32) for g in leaves)])
-        n_finite = sum(int(np.prod(g.shape)) for g in leaves) - layer_counts[1]
-        rms = jnp.sqrt(squares / jnp.maximum(n_finite, 1).astype(jnp.float32)) / unit
-        some = n_finite > 0
-        magnitudes.append(jnp.stack([jnp.where(some, top / scale, jnp.nan),
-                                     jnp.where(some, rms / scale, jnp.nan)]))
-    if not counts:
-        return jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 2), jnp.float32)
-    return jnp.stack(counts), jnp.stack(magnitudes).astype(jnp.float32)
-
-
-def _owned_leaves(grads: Any) -> dict[str, list]:
-    """The floating gradient leaves by the path of the module that owns them."""
-    owned: dict[str, list] = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            continue
-        owner = join_path(*[_key_name(k) for k in keypath[:-1]])
-        owned.setdefault(owner, []).append(leaf)
-    return owned
-
-
-def _leaves_of(paths: Sequence[str]) -> list[str]:
-    """The paths with no other path below them (the model itself only when it is alone)."""
-    def has_child(p: str) -> bool:
-        return any(q != p and (p == "" or q.startswith(p + ".")) for q in paths)
-
-    return [p for p in paths if not has_child(p)]
-
-
-def _attribute(finite: jax.Array, loss_bad: jax.Array, probes: list, leaf_index: list[int],
-               leaf_params_bad: list, other_params_bad: list[tuple[int, jax.Array]], *,
-               inputs: bool) -> tuple[jax.Array, ...]:
-    """(where, origin, forward flags, gradient flags) from the probes' gradients, on the device.
-
-    Leaves are in forward order. ``output``: the first leaf whose forward output was non-finite.
-    ``gradient``: the first leaf in backward order, i.e. the last in forward order, whose input
-    gradient went non-finite (watching output gradients instead: the leaf after the last one whose
-    output gradient did, as its input gradient fed that one); else whose own parameter gradient
-    did; then a non-leaf layer's own parameters; ``loss`` when nothing else explains it.
-    """
-    i32 = jnp.int32
-    k = len(probes)
-    forward = jnp.stack([p[0] > 0 for p in probes]) if k else jnp.zeros((0,), bool)
-    backward = jnp.stack([p[1] > 0 for p in probes]) if k else jnp.zeros((0,), bool)
-    params_bad = jnp.stack(leaf_params_bad) if k else jnp.zeros((0,), bool)
-    order = jnp.arange(k, dtype=i32)
-
-    def last(mask: jax.Array) -> jax.Array:
-        return jnp.max(jnp.where(mask, order, -1), initial=-1)
-
-    first_output = jnp.min(jnp.where(forward, order, k), initial=k)
-    first_output = jnp.where(first_output < k, first_output, -1)
-    if inputs:
-        by_gradient = last(backward)
-    else:
-        fed = last(backward)
-        by_gradient = jnp.where((fed >= 0) & (fed + 1 < k), fed + 1, -1)
-    # then the leaves' own parameter gradients (torch's monitor decides in the same order)
-    by_gradient = jnp.where(by_gradient >= 0, by_gradient, last(params_bad))
-    by_params = i32(-1)
-    for idx, bad in other_params_bad:  # forward order: the last flagged is the first in backward order
-        by_params = jnp.where(bad, i32(idx), by_params)
-    paths_of = jnp.asarray(leaf_index + [-1], i32)  # index -1 picks the trailing -1
-    where = jnp.where(finite, i32(0), jnp.where(first_output >= 0, i32(1), jnp.where(
-        loss_bad, i32(3), jnp.where((by_gradient >= 0) | (by_params >= 0), i32(2), i32(4)))))
-    origin = jnp.where(where == 1, paths_of[first_output], jnp.where(
-        where == 2, jnp.where(by_gradient >= 0, paths_of[by_gradient], by_params), i32(-1)))
-    return where, origin, forward, backward
-
-
 def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
              every: int | None = 1, attribution: bool | str = True, sample: bool = True
              ) -> Callable[..., tuple[Any, Any, Numerics | None]]:
@@ -307,32 +169,14 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
         >>> sorted(stats.layer_stats()["layers_0"])
         ['grad_max_abs', 'grad_rms', 'nonfinite', 'overflow', 'underflow', 'zero']
     """
-    nnx = sys.modules.get("flax.nnx")
-    key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
-    if isinstance(model, Applied):
-        owner, policy = model._resolver, model.policy
-    elif key is not None:
-        owner, policy = key, key.plan.policy
-    else:
-        raise TypeError("ampbridge.jax.numerics needs the model ampbridge.jax.apply returned (the Applied "
-                        f"linen model, or the NNX copy); received {type(model).__name__}")
-    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
-                         "or None (no per-layer statistics)")
-    if attribution not in (True, False, None, "inputs", "outputs"):
-        raise ValueError(f"ampbridge.jax.numerics: attribution={attribution!r}; accepted: True (= 'inputs'), "
-                         "'outputs', False")
-    if not isinstance(sample, bool):
-        raise ValueError(f"ampbridge.jax.numerics: sample={sample!r}; accepted: True or False (a static "
-                         "Python bool: False is the step without a monitor)")
+    owner, policy, key = _numerics_target(model)
+    _check_numerics_args(every, attribution, sample)
     if not sample:  # the program without a monitor, op for op
         plain = value_and_grad(loss_fn, opt_state, has_aux=has_aux)
         return lambda *args: (*plain(*args), None)
     watching = bool(attribution)
     watch_inputs = attribution in (True, "inputs")
     cfg = policy.resolved_loss_scale
-    scaled_mode = cfg.mode in ("dynamic", "static")
-    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
 
     def run(target: Any, *args: Any) -> tuple[Any, Any, Numerics]:
         def call(p: Any, watch: _Watch | None) -> Any:
@@ -342,21 +186,7 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
             finally:
                 _WATCH.reset(token)
 
-        order: list[str] = []
-        leaves: list[str] = []
-        if watching:
-            discovery = _Watch(owner)
-            if key is None:
-                jax.eval_shape(lambda p: call(p, discovery), target)
-            else:  # on a throwaway copy: the model's own state is left alone
-                graphdef, state = nnx.split(target)
-                jax.eval_shape(lambda s: call(nnx.merge(graphdef, s), discovery), state)
-            order = list(discovery.seen)
-            leaves = _leaves_of(order)
-            # the root's output is the loss function's input: a non-finite one is the loss's business
-            events = [e for e in discovery.events if e != ("", 1)]
-        else:
-            events = []
+        order, leaves, events = _discover(owner, key, call, target) if watching else ([], [], [])
         probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
         edges = {path: jnp.zeros((2,), jnp.float32) for path in order}
         ls = loss_scale(opt_state)
@@ -368,80 +198,158 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
             value = scale_loss(loss, opt_state)
             return value, (loss, aux, value)
 
-        grad = jax.value_and_grad if key is None else nnx.value_and_grad
+        grad = jax.value_and_grad if key is None else sys.modules["flax.nnx"].value_and_grad
         (_, (loss, aux, value)), (grads, (probe_grads, edge_grads)) = grad(scaled, argnums=(0, 1), has_aux=True)(
             target, (probes, edges))
-        if key is None:
-            owned = _owned_leaves(grads)
-            known = order or list(model._known)
-        else:
-            owned = {}
-            for keypath, var in nnx.to_flat_state(grads):
-                g = var.get_value() if hasattr(var, "get_value") else var.value
-                if jnp.issubdtype(jnp.result_type(g), jnp.floating):
-                    path = _nnx_path(keypath)
-                    owned.setdefault(key.owners.get(path, _nnx_path(keypath[:-1])), []).append(g)
-            known = order or [r.path for r in key.plan]
-        position = {p: i for i, p in enumerate(known)}
-        layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
-        owned = {p: owned[p] for p in layers}
-        if key is None:
-            rows = model._rows_for_paths(layers)
-            compute = {p: rows[p].compute_dtype for p in layers}
-        else:
-            compute = {p: (key.plan[p] if p in key.plan else key.plan[""]).compute_dtype for p in layers}
-        sizes = tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers)
-
-        # found_inf and skipped exactly as the optimizer decides them (the same ops: XLA shares them)
-        inv = jnp.ones((), jnp.float32) / ls.scale
-        bad_layer = {path: ~_all_finite([_unscale_leaf(g, inv) if scaled_mode else g for g in leaves_])
-                     for path, leaves_ in owned.items()}
-        finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
-                  if checks_finite else jnp.ones((), bool))
-        _, halted = _advance(cfg, ls, ~finite)
-        skipped = jnp.zeros((), bool)
-        if cfg.skip_nonfinite:
-            skipped = skipped | ~finite
-        if cfg.on_min_scale == "error" and cfg.min_scale is not None:
-            skipped = skipped | halted
-
-        def compute_stats(_: Any) -> tuple[jax.Array, jax.Array]:
-            return _layer_statistics(owned, compute, ls.scale)
-
-        def no_stats(_: Any) -> tuple[jax.Array, jax.Array]:
-            return (jnp.zeros((len(layers), 4), jnp.int32), jnp.full((len(layers), 2), jnp.nan, jnp.float32))
-
-        # a non-finite step is always sampled (its statistics name every bad layer); a finite
-        # unsampled step pays the predicate only
-        if every == 1:
-            sampled = jnp.ones((), bool)
-            counts, magnitudes = compute_stats(None)
-        else:
-            sampled = ~finite if every is None else (ls.steps % every == 0) | ~finite
-            counts, magnitudes = jax.lax.cond(sampled, compute_stats, no_stats, None)
-
-        # attribution: candidates are the leaf modules (then any other layer owning parameters)
-        named = [_boundary_origin(e, order) for e in events]
-        paths = tuple(sorted(set(leaves) | set(layers) | {p for p, _ in named if p},
-                             key=lambda p: (position.get(p, len(position)), p)))
-        index = {p: i for i, p in enumerate(paths)}
-        where, origin, out_flags, grad_flags = _attribute(
-            finite, ~jnp.isfinite(value), [probe_grads[p] for p in leaves], [index[p] for p in leaves],
-            [bad_layer.get(p, jnp.zeros((), bool)) for p in leaves],
-            [(index[p], bad_layer[p]) for p in layers if p not in set(leaves)], inputs=watch_inputs)
-        if events:  # the first non-finite forward value, at any module boundary, decides first
-            where, origin = _first_boundary(finite, where, origin, [edge_grads[p][k] > 0 for p, k in events],
-                                            [(_WHERE.index(w), index.get(p, -1)) for p, w in named])
+        position, owned, compute = _owned_by_layer(model, key, grads, order)
+        layers = list(owned)
+        finite, skipped, bad_layer = _skip_decision(cfg, ls, owned)
+        sampled, counts, magnitudes = _sampled_statistics(every, finite, ls, owned, compute)
+        paths, (where, origin, out_flags, grad_flags) = _attribution(
+            finite, ~jnp.isfinite(value), order, leaves, events, layers, position, probe_grads, edge_grads,
+            bad_layer, watch_inputs)
         stats = Numerics(step=ls.steps, loss=jnp.asarray(loss, jnp.float32), loss_scale=ls.scale,
                          found_inf=~finite, skipped=skipped, sampled=sampled, counts=counts,
                          magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
-                         where=where, origin=origin, layers=tuple(layers), sizes=sizes,
+                         where=where, origin=origin, layers=tuple(layers),
+                         sizes=tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers),
                          compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves),
                          watched=("inputs" if watch_inputs else "outputs") if watching else "none",
                          order=tuple(order))
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return run
+
+
+def _numerics_target(model: Any) -> tuple[Any, Any, Any]:
+    """The path resolver, the policy in force and (NNX) the model's key, of an applied model."""
+    nnx = sys.modules.get("flax.nnx")
+    key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
+    if isinstance(model, Applied):
+        return model._resolver, model.policy, None
+    if key is not None:
+        return key, key.plan.policy, key
+    raise TypeError("ampbridge.jax.numerics needs the model ampbridge.jax.apply returned (the Applied "
+                    f"linen model, or the NNX copy); received {type(model).__name__}")
+
+
+def _check_numerics_args(every: Any, attribution: Any, sample: Any) -> None:
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"ampbridge.jax.numerics: every={every!r}; accepted: a positive int (1: every step) "
+                         "or None (no per-layer statistics)")
+    if attribution not in (True, False, None, "inputs", "outputs"):
+        raise ValueError(f"ampbridge.jax.numerics: attribution={attribution!r}; accepted: True (= 'inputs'), "
+                         "'outputs', False")
+    if not isinstance(sample, bool):
+        raise ValueError(f"ampbridge.jax.numerics: sample={sample!r}; accepted: True or False (a static "
+                         "Python bool: False is the step without a monitor)")
+
+
+def _discover(owner: Any, key: Any, call: Callable[[Any, Any], Any], target: Any
+              ) -> tuple[list[str], list[str], list]:
+    """One abstract trace of the loss: the modules in forward order, the leaf modules, and the
+    boundary events (the root's output excluded: a non-finite one is the loss's business)."""
+    discovery = _Watch(owner)
+    if key is None:
+        jax.eval_shape(lambda p: call(p, discovery), target)
+    else:  # on a throwaway copy: the model's own state is left alone
+        nnx = sys.modules["flax.nnx"]
+        graphdef, state = nnx.split(target)
+        jax.eval_shape(lambda s: call(nnx.merge(graphdef, s), discovery), state)
+    order = list(discovery.seen)
+    return order, leaves_of(order), [e for e in discovery.events if e != ("", 1)]
+
+
+def _owned_by_layer(model: Any, key: Any, grads: Any, order: list[str]
+                    ) -> tuple[dict[str, int], dict[str, list], dict[str, str]]:
+    """The forward-order position of each known path, each parameter-owning layer's gradient
+    leaves (in that order) and the compute dtype of its Plan row."""
+    if key is None:
+        owned = owned_leaves(grads)
+        known = order or list(model._known)
+    else:
+        owned = {}
+        for keypath, var in sys.modules["flax.nnx"].to_flat_state(grads):
+            g = var.get_value() if hasattr(var, "get_value") else var.value
+            if jnp.issubdtype(jnp.result_type(g), jnp.floating):
+                path = _nnx_path(keypath)
+                owned.setdefault(key.owners.get(path, _nnx_path(keypath[:-1])), []).append(g)
+        known = order or [r.path for r in key.plan]
+    position = {p: i for i, p in enumerate(known)}
+    layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
+    owned = {p: owned[p] for p in layers}
+    if key is None:
+        rows = model._rows_for_paths(layers)
+        compute = {p: rows[p].compute_dtype for p in layers}
+    else:
+        compute = {p: (key.plan[p] if p in key.plan else key.plan[""]).compute_dtype for p in layers}
+    return position, owned, compute
+
+
+def _skip_decision(cfg: Any, ls: Any, owned: Mapping[str, list]) -> tuple[jax.Array, jax.Array, dict]:
+    """found_inf and skipped exactly as the optimizer decides them (the same ops: XLA shares them),
+    and whether each layer's unscaled gradients are non-finite."""
+    scaled_mode = cfg.mode in ("dynamic", "static")
+    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
+    inv = jnp.ones((), jnp.float32) / ls.scale
+    bad_layer = {path: ~_all_finite([_unscale_leaf(g, inv) if scaled_mode else g for g in leaves_])
+                 for path, leaves_ in owned.items()}
+    finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
+              if checks_finite else jnp.ones((), bool))
+    _, halted = _advance(cfg, ls, ~finite)
+    skipped = jnp.zeros((), bool)
+    if cfg.skip_nonfinite:
+        skipped = skipped | ~finite
+    if cfg.on_min_scale == "error" and cfg.min_scale is not None:
+        skipped = skipped | halted
+    return finite, skipped, bad_layer
+
+
+def _sampled_statistics(every: int | None, finite: jax.Array, ls: Any, owned: Mapping[str, list],
+                        compute: Mapping[str, str]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-layer statistics on a sampled step. A non-finite step is always sampled (its statistics
+    name every bad layer); a finite unsampled step pays the predicate only."""
+    n = len(owned)
+
+    def compute_stats(_: Any) -> tuple[jax.Array, jax.Array]:
+        return layer_statistics(owned, compute, ls.scale)
+
+    def no_stats(_: Any) -> tuple[jax.Array, jax.Array]:
+        return (jnp.zeros((n, 4), jnp.int32), jnp.full((n, 2), jnp.nan, jnp.float32))
+
+    if every == 1:
+        return jnp.ones((), bool), *compute_stats(None)
+    sampled = ~finite if every is None else (ls.steps % every == 0) | ~finite
+    return sampled, *jax.lax.cond(sampled, compute_stats, no_stats, None)
+
+
+def _attribution(finite: jax.Array, loss_bad: jax.Array, order: list[str], leaves: list[str], events: list,
+                 layers: list[str], position: Mapping[str, int], probe_grads: Mapping, edge_grads: Mapping,
+                 bad_layer: Mapping[str, jax.Array], watch_inputs: bool) -> tuple[tuple[str, ...], tuple]:
+    """The candidates (the leaf modules, then any other layer owning parameters) and the
+    attribution: where, origin, and the per-candidate output and gradient flags."""
+    named = [_boundary_origin(e, order) for e in events]
+    paths = tuple(sorted(set(leaves) | set(layers) | {p for p, _ in named if p},
+                         key=lambda p: (position.get(p, len(position)), p)))
+    index = {p: i for i, p in enumerate(paths)}
+    where, origin, out_flags, grad_flags = attribute(
+        finite, loss_bad, [probe_grads[p] for p in leaves], [index[p] for p in leaves],
+        [bad_layer.get(p, jnp.zeros((), bool)) for p in leaves],
+        [(index[p], bad_layer[p]) for p in layers if p not in set(leaves)], inputs=watch_inputs)
+    if events:  # the first non-finite forward value, at any module boundary, decides first
+        where, origin = _first_boundary(finite, where, origin, [edge_grads[p][k] > 0 for p, k in events],
+                                        [(_WHERE.index(w), index.get(p, -1)) for p, w in named])
+    return paths, (where, origin, out_flags, grad_flags)
+
+
+def _check_wrap_args(step: Any, carry: Any, start: Any) -> None:
+    if not callable(step):
+        raise TypeError(f"Monitor.wrap needs the jitted train step; received {type(step).__name__}")
+    if not isinstance(carry, int) or isinstance(carry, bool) or carry < 0:
+        raise ValueError(f"Monitor.wrap: carry={carry!r}; accepted: an int >= 0 (the step's first outputs "
+                         "that are its next call's first arguments)")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"Monitor.wrap: start={start!r}; accepted: an int >= 0 (the first call's step)")
 
 
 def _numerics_in(out: Any) -> Numerics | None:
@@ -644,15 +552,8 @@ class Monitor:
             >>> [(s["step"], s["skipped"]) for s in ampbridge.diagnostics.runlog.read_log(path).steps]
             [(0, True), (1, True), (2, False), (4, False)]
         """
-        if not callable(step):
-            raise TypeError(f"Monitor.wrap needs the jitted train step; received {type(step).__name__}")
-        if not isinstance(carry, int) or isinstance(carry, bool) or carry < 0:
-            raise ValueError(f"Monitor.wrap: carry={carry!r}; accepted: an int >= 0 (the step's first outputs "
-                             "that are its next call's first arguments)")
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            raise ValueError(f"Monitor.wrap: start={start!r}; accepted: an int >= 0 (the first call's step)")
+        _check_wrap_args(step, carry, start)
         self._calls = start
-
         held_for: dict[tuple[type, ...], list[int]] = {}  # by argument types: no isinstance walk per step
 
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -664,20 +565,7 @@ class Monitor:
             n = self._calls
             self._calls = n + 1
             sample = n % self.every == 0
-            if not held and len(args) < carry:
-                raise ValueError(f"Monitor.wrap: {len(args)} positional argument(s); with carry={carry} the "
-                                 f"first {carry} are the training state")
-            window = self._window
-            if window is not None and not held and any(a is not b for a, b in zip(args[:carry], window.latest)):
-                # the carried state is not the last step's output (a checkpoint restored, a run
-                # rewound): the steps since the last sample are settled now, from their own states
-                # (one read), and the window starts again from this state
-                self.flush()
-                self._window = None
-            if self._window is None and not sample:  # a resumed run between samples: start from here
-                before = tuple(args[k] for k in held) if held else tuple(args[:carry])
-                self._window = _Window(step, carry, held, _snapshot(before, bool(held)), n,
-                                       *_scale_state(before), before)
+            self._before_call(step, carry, held, args, n, sample)
             out = step(*args, sample=sample, **kwargs)
             if held:
                 state_now = tuple(args[k] for k in held)
@@ -687,24 +575,7 @@ class Monitor:
                                      f"its first {carry} outputs are the next call's first arguments")
                 state_now = tuple(out[:carry])
             if sample:
-                stats = _numerics_in(out if held else out[carry:])
-                if stats is None:
-                    raise ValueError("Monitor.wrap: a sampled step returned no Numerics; pass sample to "
-                                     "ampbridge.jax.numerics(..., sample=sample) and return its stats")
-                # the window before the last one: its counters were sent one sample ago (no wait)
-                if self._closing is not None:
-                    closing, self._closing = self._closing, None
-                    self._settle(closing)
-                scale_at = None
-                if self._window is not None and self._window.inputs:  # sent now, read next sample
-                    for leaf in jax.tree_util.tree_leaves((self._window.before, self._window.states[-1])):
-                        if hasattr(leaf, "copy_to_host_async") and not leaf.is_deleted():
-                            leaf.copy_to_host_async()  # (a donated one is said by name when read)
-                    self._closing = self._window
-                    scale_at = self._window.scale_at  # where the loss-scale state was: no walk
-                self.record(n, stats)
-                self._window = _Window(step, carry, held, _snapshot(state_now, bool(held)), n + 1,
-                                       *_scale_state(state_now, scale_at), state_now)
+                self._after_sampled(step, carry, held, n, out, state_now)
             else:
                 rest = tuple(a for k, a in enumerate(args) if k not in held) if held else args[carry:]
                 if kwargs:
@@ -716,6 +587,46 @@ class Monitor:
             return out
 
         return run
+
+    def _before_call(self, step: Callable[..., Any], carry: int, held: list[int], args: tuple, n: int,
+                     sample: bool) -> None:
+        """Check the call's carry, and start a window where none is open on an unsampled step."""
+        if not held and len(args) < carry:
+            raise ValueError(f"Monitor.wrap: {len(args)} positional argument(s); with carry={carry} the "
+                             f"first {carry} are the training state")
+        window = self._window
+        if window is not None and not held and any(a is not b for a, b in zip(args[:carry], window.latest)):
+            # the carried state is not the last step's output (a checkpoint restored, a run
+            # rewound): the steps since the last sample are settled now, from their own states
+            # (one read), and the window starts again from this state
+            self.flush()
+            self._window = None
+        if self._window is None and not sample:  # a resumed run between samples: start from here
+            before = tuple(args[k] for k in held) if held else tuple(args[:carry])
+            self._window = _Window(step, carry, held, _snapshot(before, bool(held)), n,
+                                   *_scale_state(before), before)
+
+    def _after_sampled(self, step: Callable[..., Any], carry: int, held: list[int], n: int, out: Any,
+                       state_now: tuple) -> None:
+        """Log a sampled step, send the closing window's counters to the host, open the next window."""
+        stats = _numerics_in(out if held else out[carry:])
+        if stats is None:
+            raise ValueError("Monitor.wrap: a sampled step returned no Numerics; pass sample to "
+                             "ampbridge.jax.numerics(..., sample=sample) and return its stats")
+        # the window before the last one: its counters were sent one sample ago (no wait)
+        if self._closing is not None:
+            closing, self._closing = self._closing, None
+            self._settle(closing)
+        scale_at = None
+        if self._window is not None and self._window.inputs:  # sent now, read next sample
+            for leaf in jax.tree_util.tree_leaves((self._window.before, self._window.states[-1])):
+                if hasattr(leaf, "copy_to_host_async") and not leaf.is_deleted():
+                    leaf.copy_to_host_async()  # (a donated one is said by name when read)
+            self._closing = self._window
+            scale_at = self._window.scale_at  # where the loss-scale state was: no walk
+        self.record(n, stats)
+        self._window = _Window(step, carry, held, _snapshot(state_now, bool(held)), n + 1,
+                               *_scale_state(state_now, scale_at), state_now)
 
     def _settle(self, window: "_Window") -> "_Window":
         """Log the skipped steps of ``window``, replayed with statistics (reads its counters); the

@@ -1,12 +1,9 @@
 """Precision schedules (``[[phase]]``) for a linen model: one jitted train step per phase,
 parameters re-cast and the loss-scale state moved on at each boundary.
-
-Holds: Schedule.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Mapping
@@ -75,11 +72,7 @@ class Schedule:
         return self.policy.phase_index(step=step, epoch=epoch)
 
     def _policy_of(self, key: int | None) -> Policy:
-        if not self.policy.phases:
-            return self.policy
-        if key is None:
-            return dataclasses.replace(self.policy, phases=())
-        return self.policy.phases[key].policy
+        return self.policy.phase_policy(key)  # (no schedule: the whole policy)
 
     def _at(self, key: int | None) -> tuple[Applied, Any]:
         with self._lock:

@@ -1,8 +1,5 @@
 """The device the active Keras backend computes on, and the policy that actually runs there (the
 bisect switch, ``compute_dtype = "auto"``, TensorFlow's bfloat16 truncation), and matmul precision.
-
-Names: ``device``, ``resolve_policy``, ``bfloat16_rounding``, ``set_matmul_precision``; ``_backend``
-(the active Keras backend's name), ``_phase0`` (the policy in force at step 0).
 """
 
 from __future__ import annotations
@@ -133,7 +130,7 @@ def bfloat16_rounding() -> str | None:
 
 
 def _phase0(policy: Policy) -> Policy:
-    return policy.at(step=0, epoch=0) if policy.phases else policy
+    return policy.at(step=0, epoch=0)
 
 
 # --- matmul precision -------------------------------------------------------------------------

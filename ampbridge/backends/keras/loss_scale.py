@@ -1,11 +1,10 @@
 """The loss scaler: Keras's ``LossScaleOptimizer`` running the core's reference algorithm in
 ``keras.ops`` (and computing the monitor's record when one is attached), and its ``fit`` callback.
-
-Names: ``LossScaleOptimizer``, ``optimizer``, ``LossScaleCallback``; ``_replicas``, ``_model_of``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -465,7 +464,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         make()
 
-    def _attach_monitor(self, spec: "_MonitorSpec | None") -> None:
+    # the monitor's interface (ampbridge.keras.Monitor attaches, pauses and reads through these)
+
+    @property
+    def monitor_spec(self) -> "_MonitorSpec | None":
+        """What the attached monitor asks each step to record (None: no monitor, or paused)."""
+        return self._monitor
+
+    @property
+    def monitor_variables(self) -> list[Any]:
+        """The variables the step writes the monitor's record into (empty until built)."""
+        return self._monitor_variables
+
+    @contextlib.contextmanager
+    def monitor_paused(self) -> Any:
+        """Inside, steps run (and trace) as without a monitor; its variables stay, unused."""
+        spec, self._monitor = self._monitor, None
+        try:
+            yield
+        finally:
+            self._monitor = spec
+
+    def attach_monitor(self, spec: "_MonitorSpec | None") -> None:
         """Start (a spec) or stop (None) computing the monitor's record in every step."""
         if self._monitor_variables and (spec is None or self._monitor is None
                                         or len(spec.stats) != len(self._monitor.stats)):

@@ -1,8 +1,5 @@
 """The numerics monitor: per-layer gradient statistics and where a non-finite step started,
 written as the shared run log (``ampbridge report`` reads it), in ``fit`` or a custom loop.
-
-Names: ``Monitor``, ``MonitorCallback``; the probes (``_LeafProbe``, ``_RootProbe``, ``_input_probe``)
-and the model-side slots (``_Slot``).
 """
 
 from __future__ import annotations
@@ -332,25 +329,23 @@ class Monitor:
                     wrapper.probe = None
                     _drop_idle_wrapper(layer)
         self._positions = None
-        previous = self.optimizer._monitor
+        previous = self.optimizer.monitor_spec
         steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
-        self.optimizer._attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
+        self.optimizer.attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
         _refresh_compiled(self.model)
 
     @contextlib.contextmanager
     def _unsampled(self) -> Any:
         """While inside, the model and optimizer run (and trace) as if no monitor were attached: no
         probes, no statistics, no loss slot (the monitor's variables stay, unused)."""
-        spec = self.optimizer._monitor
         for wrapper, _ in self._probed:
             wrapper.probe = None
-        self.optimizer._monitor = None  # private attribute of ampbridge's LossScaleOptimizer (not Keras)
         self._quiet = True
         try:
-            yield
+            with self.optimizer.monitor_paused():
+                yield
         finally:
             self._quiet = False
-            self.optimizer._monitor = spec
             for wrapper, probe in self._probed:
                 wrapper.probe = probe
 
@@ -382,7 +377,7 @@ class Monitor:
         if "compute_loss" in self.model.__dict__:
             del self.model.__dict__["compute_loss"]
         self.model.__dict__.pop("_ampbridge_monitor", None)
-        self.optimizer._attach_monitor(None)
+        self.optimizer.attach_monitor(None)
         _refresh_compiled(self.model)
         self._attached = False
 
@@ -411,13 +406,13 @@ class Monitor:
         if self._positions is None:  # found once per attach: walking the model every step costs
             opt_index = {id(v): i for i, v in enumerate(self.optimizer.variables)}
             model_index = {id(v): i for i, v in enumerate(self.model.non_trainable_variables)}
-            self._positions = ([opt_index[id(v)] for v in self.optimizer._monitor_variables],
+            self._positions = ([opt_index[id(v)] for v in self.optimizer.monitor_variables],
                                [model_index[id(self._slots[n].state)] for n in _SLOT_NAMES])
         opt_at, slot_at = self._positions
         if optimizer_variables is not None:
             head, stats = (optimizer_variables[i] for i in opt_at)
         else:
-            head, stats = (v.value for v in self.optimizer._monitor_variables)
+            head, stats = (v.value for v in self.optimizer.monitor_variables)
         if non_trainable_variables is not None:
             slots = [non_trainable_variables[i] for i in slot_at]
         else:
@@ -453,7 +448,7 @@ class Monitor:
         """
         if not self._attached:
             raise ValueError("Monitor.record: the monitor is detached; call attach() first")
-        if not self.optimizer._monitor_variables:
+        if not self.optimizer.monitor_variables:
             raise ValueError("Monitor.record: no optimizer step has run yet (the optimizer is not built)")
         head, stats, slots = self._record_tensors(non_trainable_variables, optimizer_variables)
         # the step is the one after the last recorded (checked below): the statistics travel only
@@ -480,39 +475,45 @@ class Monitor:
             step_loss = float(slot_loss) if loss_seen else None
         if not (sampled or found_inf):
             return None
-        stats_by_layer = {}
-        if sampled:
-            spec = self.optimizer._monitor
-            rows = stats_v.reshape(-1, _ROW_SIZE)
-            for (path, _, _), row in zip(spec.stats, rows):
-                counts = [int(row[i]) * _SPLIT + int(row[i + 1]) for i in range(2, _ROW_SIZE, 2)]
-                zero, nonfinite, under, over, size = counts
-                if size == 0:
-                    continue  # no gradients reached this layer's variables
-                finite = size - nonfinite
-                stats_by_layer[path] = {
-                    "grad_max_abs": float(row[0]) / scale if finite else float("nan"),
-                    "grad_rms": float(row[1]) / scale if finite else float("nan"),
-                    "zero": zero / size, "nonfinite": nonfinite / size,
-                    "underflow": under / size, "overflow": over / size}
+        stats_by_layer = self._layer_stats(stats_v, scale) if sampled else {}
         first = None
         if found_inf and self.attribution:
-            loss_bad = step_loss is not None and not np.isfinite(step_loss)
-            if forward >= 0:
-                first = self._forward_origin(int(forward))
-            elif loss_bad:
-                first = {"path": "", "where": "loss"}
-            elif backward >= 0:
-                first = {"path": self.layers[int(backward)], "where": "gradient"}
-            elif param_first >= 0:
-                first = {"path": self.layers[param_first], "where": "gradient"}
-            else:  # the replay found nothing non-finite
-                first = {"path": "", "where": "unreproduced"}
+            first = self._first_nonfinite(int(forward), int(backward), param_first,
+                                          step_loss is not None and not np.isfinite(step_loss))
         logged_loss = step_loss if step_loss is not None and np.isfinite(step_loss) else None
         self._writer.step(step, loss=logged_loss, loss_scale=scale, found_inf=found_inf, skipped=skipped,
                           layers=stats_by_layer, first_nonfinite=first)
         return {"step": step, "loss": logged_loss, "loss_scale": scale, "found_inf": found_inf,
                 "skipped": skipped, "first_nonfinite": first, "layers": stats_by_layer}
+
+    def _layer_stats(self, stats_v: Any, scale: float) -> dict[str, dict[str, float]]:
+        """The per-layer statistics of a sampled step, from its rows as read (counts split in two)."""
+        stats_by_layer = {}
+        rows = stats_v.reshape(-1, _ROW_SIZE)
+        for (path, _, _), row in zip(self.optimizer.monitor_spec.stats, rows):
+            counts = [int(row[i]) * _SPLIT + int(row[i + 1]) for i in range(2, _ROW_SIZE, 2)]
+            zero, nonfinite, under, over, size = counts
+            if size == 0:
+                continue  # no gradients reached this layer's variables
+            finite = size - nonfinite
+            stats_by_layer[path] = {
+                "grad_max_abs": float(row[0]) / scale if finite else float("nan"),
+                "grad_rms": float(row[1]) / scale if finite else float("nan"),
+                "zero": zero / size, "nonfinite": nonfinite / size,
+                "underflow": under / size, "overflow": over / size}
+        return stats_by_layer
+
+    def _first_nonfinite(self, forward: int, backward: int, param_first: int, loss_bad: bool) -> dict[str, str]:
+        """Where a non-finite step went non-finite first: a forward value, the loss, a gradient."""
+        if forward >= 0:
+            return self._forward_origin(forward)
+        if loss_bad:
+            return {"path": "", "where": "loss"}
+        if backward >= 0:
+            return {"path": self.layers[backward], "where": "gradient"}
+        if param_first >= 0:
+            return {"path": self.layers[param_first], "where": "gradient"}
+        return {"path": "", "where": "unreproduced"}  # the replay found nothing non-finite
 
 
 class MonitorCallback(keras.callbacks.Callback):

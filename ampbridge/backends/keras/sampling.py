@@ -2,8 +2,6 @@
 Keras's own train function traced without the monitor (unsampled steps) and with it (sampled),
 and the replay of a non-finite unsampled step (TensorFlow and torch: read at the step, replayed
 in a sandbox; JAX: read in windows, replayed exactly from the window's saved state).
-
-Holds: _FitDispatch, _copy_state, _WINDOW.
 """
 
 from __future__ import annotations
@@ -140,7 +138,7 @@ class _FitDispatch:
         if step % monitor.every == 0 or not cfg.skip_nonfinite or cfg.max_consecutive_skips is not None:
             # sampled; or non-finite steps are (or may be) applied (nothing to replay), so every step is read
             self.flush()
-            opt._monitor.host_step = step
+            opt.monitor_spec.host_step = step
             out = run(self.stats)
             monitor._next_step = step
             if backend == "jax":
@@ -268,7 +266,7 @@ class _FitDispatch:
         unless ``disposable``: the function donates it) and the loss-scale state ``before``."""
         monitor, opt, model = self.monitor, self.monitor.optimizer, self.monitor.model
         own = [before.good_steps, np.float32(before.scale), before.hysteresis_left, before.steps, before.skipped]
-        opt._monitor.host_step = 0  # torch samples on the host: this step is
+        opt.monitor_spec.host_step = 0  # torch samples on the host: this step is
         monitor._next_step = before.steps
         if _backend() == "jax":
             import jax.numpy as jnp

@@ -18,8 +18,6 @@ What runs where:
 
 A policy without pins is bit-identical to plain ``torch.autocast`` + ``torch.amp.GradScaler``:
 ampbridge adds casts only where a rule or a storage dtype needs them.
-
-Holds ``apply``, ``TorchAmp``, ``ModelNotSupportedError`` and ``_check_model``.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from .forward import _install, _installed, _keep_slow_path, _matmul_precision, _
 from .loss_scale import GradScaler, StepResult
 from .monitor import Monitor
 from .plan import _Realisation, _realise
-from .schedule import after_step, restore_position, set_position
+from .schedule import PhaseState
 from .trace import _trace
 
 log = logging.getLogger("ampbridge.torch")
@@ -136,14 +134,10 @@ class TorchAmp:
         self._monitor: Monitor | None = None
         self.policy = policy  # the whole policy, schedule included
         self.device_type = device_type
-        self._position = {"step": 0, "epoch": 0}
-        self._unit = policy.phase_unit
-        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._phases = PhaseState(policy, self._enter_phase)
         self._last_optimizers: list[Any] = []
         self._micro_batches = 0  # backward passes since the last optimizer step (amp.step's accumulate)
-        self._phase_index = policy.phase_index(step=0, epoch=0) if policy.phases else None
-        phase_policy = policy.at(step=0, epoch=0)
-        resolved, notes = _resolve_for_device(phase_policy, device_type)
+        resolved, notes = _resolve_for_device(self._phases.first_policy(), device_type)
         self._realisation = fp8.realise(model, resolved, _realise(model, resolved, device_type,
                                                                 notes=self._env_notes + tuple(notes)), device_type)
         self._resolved = resolved
@@ -171,7 +165,7 @@ class TorchAmp:
     @property
     def phase(self) -> int | None:
         """Index of the phase in force (None without a schedule, or past a closed last phase)."""
-        return self._phase_index
+        return self._phases.index
 
     def __repr__(self) -> str:
         p = self._resolved
@@ -196,7 +190,7 @@ class TorchAmp:
         # kept (exactly when widening to float32)
         if not changed:
             return
-        for opt in list(self._optimizers):
+        for opt in list(self._phases.optimizers):
             for p, _, dtype in changed:
                 state = opt.state.get(p)
                 if not state:
@@ -230,6 +224,25 @@ class TorchAmp:
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
         self._hooks = []
+
+    def _enter_phase(self, index: int | None) -> None:
+        """Run phase ``index`` (None: past a closed last phase): re-realised, storage recast, the
+        scaler moved by the core's ``enter_phase`` (``PhaseState`` calls this on a change)."""
+        before = self._resolved
+        resolved, notes = _resolve_for_device(self.policy.phase_policy(index), self.device_type)
+        realisation = _realise(self.model, resolved, self.device_type, notes=self._env_notes + tuple(notes))
+        self._uninstall()
+        realisation = fp8.realise(self.model, resolved, realisation, self.device_type)
+        self._cast_storage(realisation)
+        self._install(realisation)
+        reset = self._phases.resets_loss_scale(index)
+        self.scaler.reconfigure(resolved.loss_scale, compute_dtype=resolved.compute_dtype, reset=reset,
+                                allow_fp16_grads=any(d == torch.float16 for _, d in realisation.storage.values()))
+        self._realisation, self._resolved = realisation, resolved
+        unit = self.policy.phase_unit
+        log.info("%s %d: phase %s in force (compute %s -> %s, loss scale %s%s)", unit, self._phases.position[unit],
+                 index if index is not None else "after the schedule", before.compute_dtype,
+                 resolved.compute_dtype, self.scaler.config.mode, ", reset" if reset else "")
 
     def _log_applied(self) -> None:
         p = self._resolved
@@ -300,7 +313,7 @@ class TorchAmp:
             raise ValueError(f"clip_grad_norm must be a number > 0 (the max norm) or None; received {clip_grad_norm!r}")
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         if optimizers != self._last_optimizers:
-            self._optimizers.update(optimizers)
+            self._phases.optimizers.update(optimizers)
             self._last_optimizers = optimizers
         if accumulate > 1:
             loss = loss / accumulate
@@ -323,7 +336,7 @@ class TorchAmp:
         result = self.scaler.last_step_result
         if norm is not None:
             result = result.with_grad_norm(norm)
-        after_step(self)
+        self._phases.after_step()
         return result
 
     def monitor(self, path: str | Path, every: int = 1, *, attribution: bool = True) -> Monitor:
@@ -354,18 +367,19 @@ class TorchAmp:
         ``optimizers``: optimizers whose state must follow a parameter-storage change (those used
         with ``amp.step`` are known already).
         """
-        set_position(self, "epoch", epoch, optimizers)
+        self._phases.set_position("epoch", epoch, optimizers)
 
     def set_step(self, step: int, optimizers: Iterable[Any] = ()) -> None:
         """Tell amp the global step (for a schedule by step: switch to the phase in force)."""
-        set_position(self, "step", step, optimizers)
+        self._phases.set_position("step", step, optimizers)
 
     # --- state
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scale state (five reference fields) and the schedule position, for checkpoints."""
-        return {"loss_scale": self.scaler.loss_scale_state().to_dict(), "step": self._position["step"],
-                "epoch": self._position["epoch"], "phase": self._phase_index}
+        position = self._phases.position
+        return {"loss_scale": self.scaler.loss_scale_state().to_dict(), "step": position["step"],
+                "epoch": position["epoch"], "phase": self._phases.index}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (the phase in force follows the saved position)."""
@@ -373,5 +387,5 @@ class TorchAmp:
         if "loss_scale" not in state or unknown:
             raise ValueError(f"not an ampbridge.torch state dict: needs 'loss_scale' (and step, epoch, phase); "
                              f"unknown keys {sorted(unknown)}")
-        restore_position(self, int(state.get("step", 0)), int(state.get("epoch", 0)))
+        self._phases.restore(int(state.get("step", 0)), int(state.get("epoch", 0)))
         self.scaler.load_loss_scale_state(LossScaleState.from_dict(state["loss_scale"]))

@@ -17,7 +17,7 @@ import inspect
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,8 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from ...core.loss_scale import INT32_MAX, LossScaleState, enter_phase, f32, initial_state, restart_count
 from ...core.policy import LossScaleConfig
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
+from ..common import StepObserver, StepRecord
 from ..private_hooks import tested_range
-
-if TYPE_CHECKING:
-    from .monitor import Monitor
 
 
 # --- the loss scaler ---------------------------------------------------------------------------
@@ -48,6 +46,8 @@ class GradScaler(torch.amp.GradScaler):
         >>> s.loss_scale_state().hysteresis_left
         2
     """
+
+    observer: StepObserver | None = None  # (a scaler unpickled from an older ampbridge has none)
 
     def __init__(self, config: LossScaleConfig, device: str = "cpu", *, compute_dtype: str = "float16",
                  allow_fp16_grads: bool = False):
@@ -70,7 +70,7 @@ class GradScaler(torch.amp.GradScaler):
         self._found_read: dict[int, bool] = {}  # optimizer id -> found_inf read in step() (no extra sync)
         self._at_min_read: bool | None = None
         self._last_result: StepResult = _APPLIED
-        self._monitor: Monitor | None = None  # fed by scale(), the unscale and update()
+        self.observer: StepObserver | None = None  # a Monitor: fed by scale(), the unscale and update()
         self._agree_group: tuple[Any] | None = None  # (process group,): found_inf all-reduced there
         self._step_verified = False  # the first-step guard (_verified_step) has passed
 
@@ -104,8 +104,8 @@ class GradScaler(torch.amp.GradScaler):
         self._streak = torch.full((), state.nonfinite_streak, dtype=torch.int32, device=dev)
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
-        if self._monitor is not None:
-            self._monitor._saw_loss(outputs)
+        if self.observer is not None:
+            self.observer.on_loss(outputs)
         if self._enabled and self.config.mode == "none":
             if self._scale is None:  # scale 1: nothing to multiply, but the state lives on the device
                 first = outputs if isinstance(outputs, torch.Tensor) else next(iter(outputs))
@@ -115,8 +115,8 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        if self._monitor is not None:  # the gradients as backward left them: still scaled
-            self._monitor._saw_grads(self._scale, self._steps)
+        if self.observer is not None:  # the gradients as backward left them: still scaled
+            self.observer.on_grads(self._scale, self._steps)
         # param_dtype = float16 means float16 gradients: the policy asked for them
         found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
         if self._agree_group is not None:  # every rank skips together (agree_across)
@@ -127,8 +127,8 @@ class GradScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: Any) -> dict[str, Any]:
         # a fused optimizer's check: its gradients are read, not unscaled (its kernel unscales them,
         # or on an overflow leaves them as they are)
-        if self._monitor is not None:
-            self._monitor._kept_scaled(optimizer)
+        if self.observer is not None:
+            self.observer.on_kept_scaled(optimizer)
         return super()._check_inf_per_device(optimizer)
 
     def agree_across(self, group: Any = None) -> None:
@@ -190,8 +190,8 @@ class GradScaler(torch.amp.GradScaler):
                 f"{self.config.max_consecutive_skips} with a fused optimizer ({type(optimizer).__name__}, which "
                 "skips a non-finite step on the device by itself): not supported; use the optimizer's "
                 "non-fused form (fused=False) or leave max_consecutive_skips out")
-        if self._monitor is not None and not self._enabled:  # nothing is unscaled: scale 1
-            self._monitor._saw_grads(None, self._host_steps)
+        if self.observer is not None and not self._enabled:  # nothing is unscaled: scale 1
+            self.observer.on_grads(None, self._host_steps)
         if (self._enabled and not self.config.skip_nonfinite
                 and getattr(optimizer, "_step_supports_amp_scaling", False)
                 and "grad_scaler" not in inspect.signature(optimizer.step).parameters):
@@ -277,8 +277,8 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the loss-scale state by one step (the reference ``next_state``)."""
         if not self._enabled:  # mode none without skipping: only the step counter moves
-            if self._monitor is not None:
-                self._monitor._step_done(self._host_steps, None, None, None, False)
+            if self.observer is not None:
+                self.observer.on_step(StepRecord(self._host_steps, None, None, None, False))
             self._host_steps += 1
             self._last_result = _APPLIED
             return
@@ -296,8 +296,8 @@ class GradScaler(torch.amp.GradScaler):
         read = [self._found_read.get(i) for i in self._per_optimizer_states]
         known = None if any(r is None for r in read) else any(read)
         skip = self.config.skip_nonfinite and not getattr(self, "_applied_anyway", False)
-        if self._monitor is not None:  # before the scale moves: the log holds the scale this step used
-            self._monitor._step_done(self._steps, found_flag, known, scale, skip)
+        if self.observer is not None:  # before the scale moves: the log holds the scale this step used
+            self.observer.on_step(StepRecord(self._steps, found_flag, known, scale, skip))
         if self._needs_min_check():
             if known is not None and self._at_min_read is not None:
                 hit = known and self._at_min_read
@@ -446,16 +446,20 @@ class GradScaler(torch.amp.GradScaler):
         pending = state["_pending"] = self.loss_scale_state()
         # torch's get_scale() and lazy init read these while the tensors are not yet re-created
         state["_init_scale"], state["_init_growth_tracker"] = pending.scale, pending.good_steps
-        state["_monitor"] = None  # a log file stays with its process
+        state["observer"] = None  # a log file stays with its process
         state["_agree_group"] = None  # a process group stays with its process: call agree_across again
         for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped", "_streak"):
             state[name] = None
         state["_last_result"] = _APPLIED
         return state
 
-    def reconfigure(self, config: LossScaleConfig, *, compute_dtype: str = "float16", reset: bool = False) -> None:
+    def reconfigure(self, config: LossScaleConfig, *, compute_dtype: str = "float16", reset: bool = False,
+                    allow_fp16_grads: bool | None = None) -> None:
         """Switch to another phase's settings; the state moves by the core's rule (``enter_phase``,
-        the same in every backend): carried between dynamic phases, fresh on ``reset`` or a mode change."""
+        the same in every backend): carried between dynamic phases, fresh on ``reset`` or a mode change.
+        ``allow_fp16_grads``: the new phase stores parameters in float16 (None: unchanged)."""
+        if allow_fp16_grads is not None:
+            self._allow_fp16_grads = allow_fp16_grads
         new = config.resolve(compute_dtype)
         state = enter_phase(new, self.loss_scale_state(), previous=self.config, reset=reset)
         self._configure(new)

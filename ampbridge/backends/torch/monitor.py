@@ -1,7 +1,5 @@
 """The numerics monitor: per-layer gradient statistics, overflow attribution (which layer went
 non-finite first) and the run log ``ampbridge report`` reads.
-
-Holds ``Monitor`` and ``_to_host`` (its one device-to-host transfer per logged step).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ...errors import AmpBridgeWarning
-from ..common import read_host_scalar
+from ..common import StepRecord, read_host_scalar
 from .plan import _bypassed
 
 # --- the numerics monitor ----------------------------------------------------------------------
@@ -216,7 +214,7 @@ class Monitor:
         self._writer: Any = None
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps seen, the first and last step number (the closing record)
         self.closed = False
-        amp.scaler._monitor = self
+        amp.scaler.observer = self
 
     def __repr__(self) -> str:
         return f"Monitor({str(self.path)!r}, every={self.every}, attribution={self.attribution}" + (
@@ -250,8 +248,8 @@ class Monitor:
             for handle in self._order_hooks + self._hooks + self._capture_hooks:
                 handle.remove()
             self._order_hooks, self._hooks, self._capture_hooks, self._calls = [], [], [], []
-            if self._amp.scaler._monitor is self:
-                self._amp.scaler._monitor = None
+            if self._amp.scaler.observer is self:
+                self._amp.scaler.observer = None
             if self._writer is not None:
                 self._writer.close()
 
@@ -440,20 +438,20 @@ class Monitor:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
                     _extremes(t, flags.fwd_vals, flags.fwd_who, index)
 
-    # --- fed by the scaler
+    # --- fed by the scaler (the StepObserver interface)
 
-    def _saw_loss(self, outputs: Any) -> None:
+    def on_loss(self, outputs: Any) -> None:
         # a reference (detached only when read: a detach is an aten op on every step)
         self._loss = outputs if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
 
-    def _saw_grads(self, scale: torch.Tensor | None, step: int) -> None:
+    def on_grads(self, scale: torch.Tensor | None, step: int) -> None:
         if self._took_grads:  # once per step, before the first unscale
             return
         self._took_grads = True
         if step % self.every == 0:
             self._stats = self._layer_stats(scale)
 
-    def _kept_scaled(self, optimizer: Any) -> None:
+    def on_kept_scaled(self, optimizer: Any) -> None:
         # the optimizer, not its parameters: they are only looked up on a non-finite step
         self._still_scaled.append(optimizer)
 
@@ -494,11 +492,38 @@ class Monitor:
             meta.append((path, n))
         return (torch.stack(rows), meta) if rows else None
 
-    def _step_done(self, step: int, found: torch.Tensor | None, known: bool | None, scale: torch.Tensor | None,
-                   skip: bool) -> None:
-        """Called by the scaler's update() before the scale moves; ``known``: found_inf if the host read it."""
+    def on_step(self, record: StepRecord) -> None:
+        """The scaler's update(), before the scale moves; ``record.known``: found_inf if the host read it."""
+        step, found, known, scale, skip = record
         if known is None and skip:  # a fused optimizer skipped on the device
             known = _flag_in_host_memory(found)
+        flags, loss, stats, calls, still_scaled, replayable = self._end_of_step(step, known)
+        if known is False and stats is None:
+            self._calls_lost = False
+            return  # the common step: nothing read, nothing written
+        if known and self.attribution and replayable:
+            flags = self._replay(calls)
+        self._calls_lost = False
+        if known and stats is None:
+            # a non-finite step the host already knows of, its gradients still here (unscaled by
+            # now): per-layer statistics on every such step, at no cost to the finite ones
+            stats = self._layer_stats(scale, unscaled=True, still_scaled=still_scaled)
+        device = scale.device if scale is not None else torch.device(self._amp.device_type)
+        norms, param_who = (self._param_extremes(device) if (known is not False and self.attribution) or found is None
+                            else (None, []))
+        entry = self._step_entry(record._replace(known=known), loss, device, flags, norms, param_who)
+        if known is None and stats is None and len(self._pending) < _PENDING_LIMIT:
+            if self._pending:  # a static graph calls the same modules each step: keep one list
+                last = self._pending[-1]
+                entry = entry._replace(fwd_who=last.fwd_who if last.fwd_who == entry.fwd_who else entry.fwd_who,
+                                       bwd_who=last.bwd_who if last.bwd_who == entry.bwd_who else entry.bwd_who)
+            self._pending.append(entry)
+            return
+        self._flush(entry, known, stats)
+
+    def _end_of_step(self, step: int, known: bool | None) -> tuple[Any, ...]:
+        """Take this step's collected state (leaving a fresh one), count the step, and turn the
+        probes on where the host will not learn found_inf (off where a replay can find the layer)."""
         self._took_grads = False
         still_scaled, self._still_scaled = self._still_scaled, []
         self._seen = (self._seen[0] + 1, step if not self._seen[0] else self._seen[1], step)
@@ -511,40 +536,34 @@ class Monitor:
         stats, self._stats = self._stats, None
         calls, self._calls = self._calls, []
         replayable = bool(self._capture_hooks)
-        if self.attribution:  # probes on only where the host will not learn found_inf
+        if self.attribution:
             if known is None and not self._hooks:
                 self._probes_on()
             elif known is not None and self._hooks and self._replayable():
                 self._probes_off()
-        if known is False and stats is None:
-            self._calls_lost = False
-            return  # the common step: nothing read, nothing written
-        if known and self.attribution and replayable:
-            flags = self._replay(calls)
-        self._calls_lost = False
+        return flags, loss, stats, calls, still_scaled, replayable
+
+    def _param_extremes(self, device: torch.device) -> tuple[torch.Tensor | None, list[int]]:
+        """Each gradient's extremes on the device (non-finite iff the gradient is), and whose they are."""
+        grads = [(i, _dense(p.grad)) for i, p in self._grad_params if p.grad is not None and p.grad.numel()]
+        if not grads:
+            return None, []
+        if device.type == "cuda":  # one multi-tensor kernel
+            norms = torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).to(self._acc)
+            return norms, [i for i, _ in grads if i >= 0]
+        values: list[torch.Tensor] = []  # elsewhere torch loops anyway, and aminmax is the cheap reduction
+        who: list[int] = []
+        for i, g in grads:
+            _extremes(g, values, who, i)
+        return torch.stack(values).to(self._acc), [i for i in who if i >= 0]
+
+    def _step_entry(self, record: StepRecord, loss: torch.Tensor | None, device: torch.device, flags: _Flags,
+                    norms: torch.Tensor | None, param_who: list[int]) -> _Pending:
+        """The step's device values, read later as one vector (the host tells non-finite maxima apart)."""
+        step, found, known, scale, skip = record
+        acc = self._acc
         if loss is not None:
             loss = loss.detach()
-        if known and stats is None:
-            # a non-finite step the host already knows of, its gradients still here (unscaled by
-            # now): per-layer statistics on every such step, at no cost to the finite ones
-            stats = self._layer_stats(scale, unscaled=True, still_scaled=still_scaled)
-        acc = self._acc
-        device = scale.device if scale is not None else torch.device(self._amp.device_type)
-        # device values, read as one vector; the host tells non-finite maxima apart itself
-        norms = None
-        param_who: list[int] = []
-        if (known is not False and self.attribution) or found is None:
-            grads = [(i, _dense(p.grad)) for i, p in self._grad_params if p.grad is not None and p.grad.numel()]
-            if grads and device.type == "cuda":  # one multi-tensor kernel
-                norms = torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).to(acc)
-                param_who = [i for i, _ in grads if i >= 0]
-            elif grads:  # elsewhere torch loops anyway, and aminmax is the cheap reduction
-                values: list[torch.Tensor] = []
-                who: list[int] = []
-                for i, g in grads:
-                    _extremes(g, values, who, i)
-                norms = torch.stack(values).to(acc)
-                param_who = [i for i in who if i >= 0]
         # found: the scaler's flag (> 0), or without one whether any gradient's extreme is non-finite
         # (nan and inf propagate into min/max; a sum of the extremes would overflow float32, mps's
         # accumulator, on large finite gradients)
@@ -568,16 +587,7 @@ class Monitor:
             if param_who:
                 assert norms is not None
                 parts.append(norms[:len(param_who)])  # the candidates' own parameters come first
-        values = torch.cat(parts)
-        entry = _Pending(step, skip, values, fwd_who, bwd_who, param_who)
-        if known is None and stats is None and len(self._pending) < _PENDING_LIMIT:
-            if self._pending:  # a static graph calls the same modules each step: keep one list
-                last = self._pending[-1]
-                entry = entry._replace(fwd_who=last.fwd_who if last.fwd_who == fwd_who else fwd_who,
-                                       bwd_who=last.bwd_who if last.bwd_who == bwd_who else bwd_who)
-            self._pending.append(entry)
-            return
-        self._flush(entry, known, stats)
+        return _Pending(step, skip, torch.cat(parts), fwd_who, bwd_who, param_who)
 
     def _flush(self, now: _Pending | None = None, known: bool | None = None,
                stats: tuple[torch.Tensor, list[tuple[str, int]]] | None = None) -> None:

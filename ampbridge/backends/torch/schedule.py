@@ -1,70 +1,78 @@
-"""Precision phases over training (``[[phase]]``): the position (step, epoch) an applied model has
-reached, and switching it to the phase in force there (re-realised, storage recast, scaler moved
-by the core's ``enter_phase``).
+"""Precision phases over training (``[[phase]]``): where an applied model stands in its schedule
+(step, epoch, the phase in force) and when it crosses into another phase.
 
-Holds ``set_position``, ``after_step``, ``restore_position`` and ``switch_to``; ``TorchAmp``'s
-``set_epoch``, ``set_step``, ``step`` and ``load_state_dict`` call them (``amp``: a ``TorchAmp``).
+``TorchAmp`` owns one :class:`PhaseState`; the state calls back ``enter(index)`` (``TorchAmp``'s
+re-realisation) when the position reaches another phase.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-
-from .environment import _resolve_for_device
-from .fp8 import realise as realise_fp8
-from .plan import _realise
-
-log = logging.getLogger("ampbridge.torch")
+from ...core.policy import Policy
 
 
-def set_position(amp: Any, unit: str, value: int, optimizers: Iterable[Any]) -> None:
-    """``amp.set_epoch`` / ``amp.set_step``: record the position; for a schedule by ``unit``, switch."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{unit} must be an integer >= 0; received {value!r}")
-    for opt in optimizers:
-        amp._optimizers.add(opt)
-    amp._position[unit] = value
-    if amp.policy.phase_unit == unit:
-        switch_to(amp, amp.policy.phase_index(**{unit: value}))
+class PhaseState:
+    """A ``TorchAmp``'s position in its policy's schedule and the phase in force there.
 
+    ``position``: the step and epoch told so far; ``index``: the phase in force (None without a
+    schedule, or past a closed last phase); ``optimizers``: those whose state must follow a
+    parameter-storage change. ``enter(index)`` runs a phase; it is called only on a change.
 
-def after_step(amp: Any) -> None:
-    """One optimizer step done (``amp.step``): count it; for a schedule by step, switch."""
-    amp._position["step"] += 1
-    if amp._unit == "step":
-        switch_to(amp, amp.policy.phase_index(step=amp._position["step"]))
+    Example:
+        >>> import ampbridge
+        >>> p = ampbridge.loads('[[phase]]\\nuntil_step = 2\\ncompute_dtype = "float32"')
+        >>> entered = []
+        >>> state = PhaseState(p, entered.append)
+        >>> state.after_step(); state.after_step(); state.index, entered
+        (None, [None])
+    """
 
+    def __init__(self, policy: Policy, enter: Callable[[int | None], None]):
+        self.policy = policy
+        self.unit = policy.phase_unit
+        self.position = {"step": 0, "epoch": 0}
+        self.index = policy.phase_index(step=0, epoch=0) if policy.phases else None
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._enter = enter
 
-def restore_position(amp: Any, step: int, epoch: int) -> None:
-    """``amp.load_state_dict``: the saved position, and the phase in force there."""
-    amp._position["step"] = step
-    amp._position["epoch"] = epoch
-    if amp.policy.phases:
-        unit = amp.policy.phase_unit or "step"
-        switch_to(amp, amp.policy.phase_index(**{unit: amp._position[unit]}))
+    def first_policy(self) -> Policy:
+        """The policy of the phase in force at step 0, epoch 0 (the whole policy without a schedule)."""
+        return self.policy.phase_policy(self.index)
 
+    def set_position(self, unit: str, value: int, optimizers: Iterable[Any]) -> None:
+        """``amp.set_epoch`` / ``amp.set_step``: record the position; for a schedule by ``unit``, switch."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{unit} must be an integer >= 0; received {value!r}")
+        for opt in optimizers:
+            self.optimizers.add(opt)
+        self.position[unit] = value
+        if self.unit == unit:
+            self.switch_to(self.policy.phase_index(**{unit: value}))
 
-def switch_to(amp: Any, index: int | None) -> None:
-    """Run phase ``index`` (None: past a closed last phase) on ``amp``'s model, if not already."""
-    if index == amp._phase_index or not amp.policy.phases:
-        return
-    before = amp._resolved
-    phase_policy = amp.policy.phases[index].policy if index is not None else amp.policy.replace(phases=())
-    resolved, notes = _resolve_for_device(phase_policy, amp.device_type)
-    realisation = _realise(amp.model, resolved, amp.device_type, notes=amp._env_notes + tuple(notes))
-    amp._uninstall()
-    realisation = realise_fp8(amp.model, resolved, realisation, amp.device_type)
-    amp._cast_storage(realisation)
-    amp._install(realisation)
-    reset = index is not None and amp.policy.phases[index].reset_loss_scale
-    amp.scaler._allow_fp16_grads = any(d == torch.float16 for _, d in realisation.storage.values())
-    amp.scaler.reconfigure(resolved.loss_scale, compute_dtype=resolved.compute_dtype, reset=reset)
-    amp._realisation, amp._resolved, amp._phase_index = realisation, resolved, index
-    unit = amp.policy.phase_unit
-    log.info("%s %d: phase %s in force (compute %s -> %s, loss scale %s%s)", unit, amp._position[unit],
-             index if index is not None else "after the schedule", before.compute_dtype,
-             resolved.compute_dtype, amp.scaler.config.mode, ", reset" if reset else "")
+    def after_step(self) -> None:
+        """One optimizer step done (``amp.step``): count it; for a schedule by step, switch."""
+        self.position["step"] += 1
+        if self.unit == "step":
+            self.switch_to(self.policy.phase_index(step=self.position["step"]))
+
+    def restore(self, step: int, epoch: int) -> None:
+        """``amp.load_state_dict``: the saved position, and the phase in force there."""
+        self.position["step"] = step
+        self.position["epoch"] = epoch
+        if self.policy.phases:
+            unit = self.unit or "step"
+            self.switch_to(self.policy.phase_index(**{unit: self.position[unit]}))
+
+    def switch_to(self, index: int | None) -> None:
+        """Run phase ``index`` (None: past a closed last phase), if it is not the one in force."""
+        if index == self.index or not self.policy.phases:
+            return
+        self._enter(index)
+        self.index = index
+
+    def resets_loss_scale(self, index: int | None) -> bool:
+        """Whether entering phase ``index`` starts the loss scale afresh (its ``reset_loss_scale``)."""
+        return index is not None and self.policy.phases[index].reset_loss_scale

@@ -141,12 +141,12 @@ def plot_runs(runs: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    path = Path(args.policy) if args.policy else EXAMPLES / "amp.toml"
-    policy, origins = _io.load_with_origins(path)
+def _frameworks(given: str | None) -> list[str]:
+    """The frameworks to train: ``--frameworks`` checked (unknown or not installed: a usage error),
+    else every installed one (the others named on stderr)."""
     available = installed_frameworks()
-    if args.frameworks:
-        wanted = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    if given:
+        wanted = [f.strip() for f in given.split(",") if f.strip()]
         unknown = [f for f in wanted if f not in _NEEDS and f != "none"]
         if unknown:
             raise UsageError(f"--frameworks: unknown {', '.join(unknown)}; accepted: {', '.join(_NEEDS)} or none")
@@ -154,13 +154,34 @@ def run_demo(args: argparse.Namespace) -> int:
         if missing:
             raise UsageError(f"--frameworks: not installed here: {', '.join(missing)} "
                              f"(pip install '{_extra(missing[0])}')")
-        frameworks = [f for f in wanted if f in _NEEDS]
-    else:
-        frameworks = available
-        absent = [fw for fw in _NEEDS if fw not in available]
-        if frameworks and absent:  # said, so a shorter table is not mistaken for the whole demo
-            print(f"note: not installed here, so not trained: {', '.join(absent)} "
-                  f"(pip install {' '.join(repr(_extra(fw)) for fw in absent)})", file=sys.stderr)
+        return [f for f in wanted if f in _NEEDS]
+    absent = [fw for fw in _NEEDS if fw not in available]
+    if available and absent:  # said, so a shorter table is not mistaken for the whole demo
+        print(f"note: not installed here, so not trained: {', '.join(absent)} "
+              f"(pip install {' '.join(repr(_extra(fw)) for fw in absent)})", file=sys.stderr)
+    return available
+
+
+def _print_finals(runs: dict[str, Any], frameworks: list[str]) -> None:
+    """Final loss, skipped steps and final scale per framework, and how far the losses agree."""
+    rows = []
+    for fw in frameworks:
+        r = runs[fw]
+        skipped = [str(i) for i, s in enumerate(r.skipped) if s]
+        rows.append((fw, f"{r.final_loss:.5f}",
+                     f"{len(skipped)} (step{'s' if len(skipped) > 1 else ''} {', '.join(skipped)})" if skipped else "0",
+                     f"{r.final_state.scale:g}" if r.final_state else "-"))
+    print(render_table(("framework", "final loss", "skipped steps", "final scale"), rows))
+    losses = [runs[fw].final_loss for fw in frameworks]
+    if len(losses) > 1:
+        spread = (max(losses) - min(losses)) / abs(min(losses))
+        print(f"final losses agree to {spread:.1e} relative across {', '.join(frameworks)}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    path = Path(args.policy) if args.policy else EXAMPLES / "amp.toml"
+    policy, origins = _io.load_with_origins(path)
+    frameworks = _frameworks(args.frameworks)
     if args.steps < 4:
         raise UsageError("--steps must be at least 4")
     if args.plot and not frameworks:
@@ -193,18 +214,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print("== loss scale (the steps where something happens)")
     print(_trajectory_table(runs, args.steps))
     print()
-    rows = []
-    for fw in frameworks:
-        r = runs[fw]
-        skipped = [str(i) for i, s in enumerate(r.skipped) if s]
-        rows.append((fw, f"{r.final_loss:.5f}",
-                     f"{len(skipped)} (step{'s' if len(skipped) > 1 else ''} {', '.join(skipped)})" if skipped else "0",
-                     f"{r.final_state.scale:g}" if r.final_state else "-"))
-    print(render_table(("framework", "final loss", "skipped steps", "final scale"), rows))
-    losses = [runs[fw].final_loss for fw in frameworks]
-    if len(losses) > 1:
-        spread = (max(losses) - min(losses)) / abs(min(losses))
-        print(f"final losses agree to {spread:.1e} relative across {', '.join(frameworks)}")
+    _print_finals(runs, frameworks)
     # 40 tiny steps time nothing reliably (ratios swung 0.8-5.5x between two runs): make bench measures
     # them interleaved against native AMP, with medians and their spread
     print("step time against each framework's native AMP: `make bench` (docs/benchmarks.md)")

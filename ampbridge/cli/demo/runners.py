@@ -113,71 +113,18 @@ def run_torch(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
 
 def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
               progress: Progress | None = None, jit_compile: bool | str = "auto") -> Run:
-    import keras
     import numpy as np
-
-    import ampbridge.keras as ak
-
-    from . import keras_model as km
 
     inject = set(inject)
     run = Run("keras", None)
     data = batches(steps)
-    if native:
-        previous = keras.config.dtype_policy()
-        name = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}.get(policy.compute_dtype, "float32")
-        keras.config.set_dtype_policy(name)
-        try:
-            model = km.build(seed)
-        finally:
-            keras.config.set_dtype_policy(previous)
-        cfg = policy.resolved_loss_scale
-        opt: Any = keras.optimizers.SGD(CONFIG.lr)
-        if cfg.mode == "dynamic":
-            opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=cfg.initial_scale,
-                                                      dynamic_growth_steps=cfg.growth_interval)
-    else:
-        model = ak.apply(km.build(seed), policy.at(step=0, epoch=0) if policy.phases else policy)
-        opt = ak.optimizer(keras.optimizers.SGD(CONFIG.lr), policy)
-        run.plan = ak.plan(model, policy.at(step=0, epoch=0) if policy.phases else policy, warn=False)
-    model.compile(optimizer=opt, loss=km.loss_fn, jit_compile=jit_compile)
-
-    def scale_now() -> float:
-        if native:
-            return float(keras.ops.convert_to_numpy(opt.dynamic_scale)) if hasattr(opt, "dynamic_scale") and opt.built else (
-                float(getattr(opt, "initial_scale", 1.0)))
-        return opt.state.scale
-
+    model, opt = _keras_model(policy, run, seed=seed, native=native)
+    model.compile(optimizer=opt, loss=_keras_loss(), jit_compile=jit_compile)
     if policy.phases and not native:
-        # a schedule runs through fit, whose PhaseCallback switches phases at step boundaries
-        x = np.concatenate([b[0] for b in data])
-        y = np.concatenate([b[1] for b in data])
-        w = np.ones(x.shape, np.float32)  # per token, like the loss
-        for i in inject:
-            w[i * CONFIG.batch:(i + 1) * CONFIG.batch] = np.inf
-        phase_cb = ak.PhaseCallback(policy)
-
-        class Record(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-                run.phases.append(phase_cb.phase)
-                run.scales.append(scale_now())
-                self.skipped_before = opt.state.skipped
-                self.t0 = time.perf_counter()
-
-            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-                run.step_seconds.append(time.perf_counter() - self.t0)
-                run.skipped.append(opt.state.skipped > self.skipped_before)
-                run.losses.append(math.nan)  # fit reports running means, not per-step losses
-                _tick(progress, batch)
-
-        model.fit(x, y, sample_weight=w, batch_size=CONFIG.batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[phase_cb, Record()])
-        run.final_state = opt.state
-        return run
-
+        return _keras_fit_schedule(policy, run, model, opt, data, inject, progress)
     for i, (x, y) in enumerate(data):
         w = np.full(x.shape, np.inf if i in inject else 1.0, np.float32)  # per token, like the loss
-        used = scale_now()
+        used = _keras_scale(opt, native)
         skipped_before = None if native else opt.state.skipped
         t0 = time.perf_counter()
         logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
@@ -185,7 +132,7 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
         run.losses.append(math.nan if i in inject else float(logs["loss"]))
         run.scales.append(used)
         if native:
-            run.skipped.append(scale_now() < used)
+            run.skipped.append(_keras_scale(opt, native) < used)
         else:
             run.skipped.append(opt.state.skipped > skipped_before)
         _tick(progress, i)
@@ -194,13 +141,130 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
     return run
 
 
+def _keras_loss() -> Any:
+    from . import keras_model as km
+
+    return km.loss_fn
+
+
+def _keras_model(policy: Policy, run: Run, *, seed: int, native: bool) -> tuple[Any, Any]:
+    """The demo model and its optimizer: Keras's own mixed precision (``native``) or ampbridge's."""
+    import keras
+
+    import ampbridge.keras as ak
+
+    from . import keras_model as km
+
+    if not native:
+        model = ak.apply(km.build(seed), policy.at(step=0, epoch=0))
+        opt = ak.optimizer(keras.optimizers.SGD(CONFIG.lr), policy)
+        run.plan = ak.plan(model, policy.at(step=0, epoch=0), warn=False)
+        return model, opt
+    previous = keras.config.dtype_policy()
+    name = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}.get(policy.compute_dtype, "float32")
+    keras.config.set_dtype_policy(name)
+    try:
+        model = km.build(seed)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    cfg = policy.resolved_loss_scale
+    opt: Any = keras.optimizers.SGD(CONFIG.lr)
+    if cfg.mode == "dynamic":
+        opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=cfg.initial_scale,
+                                                  dynamic_growth_steps=cfg.growth_interval)
+    return model, opt
+
+
+def _keras_scale(opt: Any, native: bool) -> float:
+    import keras
+
+    if native:
+        return float(keras.ops.convert_to_numpy(opt.dynamic_scale)) if hasattr(opt, "dynamic_scale") and opt.built else (
+            float(getattr(opt, "initial_scale", 1.0)))
+    return opt.state.scale
+
+
+def _keras_fit_schedule(policy: Policy, run: Run, model: Any, opt: Any, data: list, inject: set[int],
+                        progress: Progress | None) -> Run:
+    """A schedule runs through fit, whose PhaseCallback switches phases at step boundaries."""
+    import keras
+    import numpy as np
+
+    import ampbridge.keras as ak
+
+    x = np.concatenate([b[0] for b in data])
+    y = np.concatenate([b[1] for b in data])
+    w = np.ones(x.shape, np.float32)  # per token, like the loss
+    for i in inject:
+        w[i * CONFIG.batch:(i + 1) * CONFIG.batch] = np.inf
+    phase_cb = ak.PhaseCallback(policy)
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            run.phases.append(phase_cb.phase)
+            run.scales.append(_keras_scale(opt, False))
+            self.skipped_before = opt.state.skipped
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            run.step_seconds.append(time.perf_counter() - self.t0)
+            run.skipped.append(opt.state.skipped > self.skipped_before)
+            run.losses.append(math.nan)  # fit reports running means, not per-step losses
+            _tick(progress, batch)
+
+    model.fit(x, y, sample_weight=w, batch_size=CONFIG.batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[phase_cb, Record()])
+    run.final_state = opt.state
+    return run
+
+
 # --- JAX ----------------------------------------------------------------------------------------------
+
+def _jax_train_step(amp: Any, tx: Any, params: Any, opt_state: Any, x: Any, y: Any, mult: Any) -> Any:
+    import jax
+    import optax
+
+    import ampbridge.jax as abj
+
+    from . import flax_model as fm
+
+    def loss_fn(p: Any) -> Any:
+        loss = fm.loss_fn(amp.apply({"params": p}, x), y)
+        return abj.scale_loss(loss * mult, opt_state), loss
+
+    grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+    updates, new_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_state, loss
+
+
+def _jax_stepper(policy: Policy, module: Any, params: Any, x0: Any) -> tuple[Any, Callable[..., Any]]:
+    """The first optimizer state, and ``step_at(i, params, opt_state) -> (params, opt_state, step)``:
+    one jitted step per phase (the Schedule moves the state at the boundaries), else one."""
+    import jax
+    import optax
+
+    import ampbridge.jax as abj
+
+    if policy.phases:
+        schedule = abj.Schedule(module, policy, optax.sgd(CONFIG.lr), _jax_train_step)
+        opt_state = schedule.init(jax.random.key(0), x0)[1]
+
+        def step_at(i: int, params: Any, opt_state: Any) -> tuple[Any, Any, Callable[..., Any]]:
+            params, opt_state = schedule.enter(params, opt_state, step=i)
+            return params, opt_state, schedule.step_fn(step=i)
+        return opt_state, step_at
+    amp = abj.apply(module, policy)
+    tx = abj.optimizer(optax.sgd(CONFIG.lr), policy)
+    jitted = jax.jit(lambda p, s, x, y, m: _jax_train_step(amp, tx, p, s, x, y, m))
+
+    def step_fixed(i: int, params: Any, opt_state: Any) -> tuple[Any, Any, Callable[..., Any]]:
+        return params, opt_state, jitted
+    return tx.init(params), step_fixed
+
 
 def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
             progress: Progress | None = None) -> Run:
-    import jax
     import jax.numpy as jnp
-    import optax
 
     import ampbridge.jax as abj
 
@@ -214,34 +278,10 @@ def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int
     if native:
         return _run_jmp(policy, module, variables, data, inject, run, progress)
 
-    def train_step(amp: Any, tx: Any, params: Any, opt_state: Any, x: Any, y: Any, mult: Any) -> Any:
-        def loss_fn(p: Any) -> Any:
-            loss = fm.loss_fn(amp.apply({"params": p}, x), y)
-            return abj.scale_loss(loss * mult, opt_state), loss
-
-        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
-        updates, new_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_state, loss
-
     first = policy.at(step=0, epoch=0)
     params = abj.apply(module, first).cast_params(variables, x0)["params"]
     run.plan = abj.plan(module, first, x0, warn=False)
-    if policy.phases:  # one jitted step per phase; the Schedule moves the state at the boundaries
-        schedule = abj.Schedule(module, policy, optax.sgd(CONFIG.lr), train_step)
-        opt_state = schedule.init(jax.random.key(0), x0)[1]
-
-        def step_at(i: int, params: Any, opt_state: Any) -> tuple[Any, Any, Callable[..., Any]]:
-            params, opt_state = schedule.enter(params, opt_state, step=i)
-            return params, opt_state, schedule.step_fn(step=i)
-    else:
-        amp = abj.apply(module, policy)
-        tx = abj.optimizer(optax.sgd(CONFIG.lr), policy)
-        opt_state = tx.init(params)
-        jitted = jax.jit(lambda p, s, x, y, m: train_step(amp, tx, p, s, x, y, m))
-
-        def step_at(i: int, params: Any, opt_state: Any) -> tuple[Any, Any, Callable[..., Any]]:
-            return params, opt_state, jitted
-
+    opt_state, step_at = _jax_stepper(policy, module, params, x0)
     for i, (x, y) in enumerate(data):
         if policy.phases:
             run.phases.append(policy.phase_index(step=i))
@@ -328,7 +368,7 @@ def run_tf_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed
 
     inject = set(inject)
     run = Run("tf_keras", None)
-    active = policy.at(step=0, epoch=0) if policy.phases else policy
+    active = policy.at(step=0, epoch=0)
     model = km.build(seed, policy=policy)  # a schedule: layers made for every phase, the first one running
     opt = atk.optimizer(tf_keras.optimizers.SGD(CONFIG.lr), policy)
     run.plan = atk.plan(model, active, warn=False)
