@@ -7,6 +7,7 @@ Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_static_plan``,
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -157,5 +158,74 @@ def _static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan
     described, by_path = _describe(model)
     from .fp8 import mark_rows
 
-    return mark_rows(build_plan(described, policy, framework=f"keras ({_backend()})",
-                                adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes))
+    built = build_plan(described, policy, framework=f"keras ({_backend()})",
+                       adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
+    rows, following = _composite_outputs(list(built.rows), by_path, _phase0(policy))
+    if following:
+        notes = built.notes + (f"{following} composite row(s) follow the data flow (Keras casts nothing at a "
+                               "layer's output); ampbridge.keras.trace(model, policy, *example_inputs) traces "
+                               "the exact dtypes",)
+        built = replace(built, rows=tuple(rows), notes=notes)
+    return mark_rows(built)
+
+
+#: the note of a composite layer whose own code meets a sublayer's output of another dtype
+_FOLLOWS = ("output follows the data flow: Keras casts nothing at a layer's output, so it returns what its own code "
+            "computes ({dtype} where {what} reaches it uncast, as in the hand-pinned model)")
+
+
+def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: Policy) -> "tuple[list[PlanRow], int]":
+    """Each composite layer's output dtype, as native Keras runs it: nothing casts a layer's output
+    (only the model's, to ``output_dtype``, and a rule's ``output_dtype``), so a Functional model or a
+    Sequential returns its output layers' dtypes, and a layer whose own code calls a sublayer of
+    another output dtype returns the two promoted where that output reaches it (keras-hub BERT's
+    post-norm encoder: its pinned norm's float32). Rows are filled children first; returns the rows
+    and how many follow the data flow (a static guess: the widest dtype)."""
+    index = {row.path: i for i, row in enumerate(rows)}
+    explicit = {label for label, rule in policy.rules if rule.output_dtype}
+    following = 0
+    for i in range(len(rows) - 1, 0, -1):  # the root (row 0) is cast to output_dtype
+        row, layer = rows[i], by_path[rows[i].path]
+        if not layer._layers or row.rule in explicit:
+            continue
+        graph = _graph_outputs(layer, by_path)
+        if graph is not None:
+            outs = {rows[index[p]].output_dtype for p in graph if p in index}
+            what = "its output layers' output"
+            if isinstance(layer, keras.layers.MultiHeadAttention):
+                what = "its output projection's output"
+        else:
+            prefix = row.path + "." if row.path else ""
+            outs = {r.output_dtype for r in rows[i + 1:] if r.path.startswith(prefix)
+                    and _code_caller(r.path, by_path) == row.path and r.output_dtype != row.compute_dtype}
+            what = "a sublayer's " + "/".join(sorted(outs)) + " output"
+            outs |= {row.compute_dtype} if outs else set()
+        if not outs:
+            continue
+        several = " and ".join(sorted(outs))
+        out = outs.pop() if len(outs) == 1 else ("float64" if "float64" in outs else "float32")
+        if graph is not None and " and " in several:  # a dict of outputs (a backbone's sequence and pooled)
+            said = f"returns {several} ({what}s: Keras casts nothing at a layer's output); the column shows the widest"
+        elif out != row.output_dtype:
+            said = _FOLLOWS.format(dtype=out, what=what) if graph is None else f"returns {what} ({out})"
+        else:
+            continue
+        following += graph is None
+        rows[i] = with_note(row, "; ".join(n for n in (row.note, said) if n), output_dtype=out)
+    return rows, following
+
+
+def _graph_outputs(layer: Any, by_path: dict[str, Any]) -> "list[str] | None":
+    """The paths of the layers whose outputs a Functional model or a Sequential returns (and
+    MultiHeadAttention: its output projection's); None: the layer's own code decides."""
+    paths = {id(sub): p for p, sub in by_path.items()}
+    if isinstance(layer, keras.layers.MultiHeadAttention):  # its call returns its output projection's output
+        dense = getattr(layer, "_output_dense", None)
+        return [paths[id(dense)]] if id(dense) in paths else None
+    if isinstance(layer, keras.Sequential):
+        return [paths[id(layer.layers[-1])]] if layer.layers and id(layer.layers[-1]) in paths else []
+    outputs = getattr(layer, "outputs", None) if isinstance(layer, keras.Model) else None
+    if outputs is None:
+        return None
+    made = [getattr(t, "_keras_history", None) for t in keras.tree.flatten(outputs)]
+    return [paths[id(h[0])] for h in made if h is not None and id(h[0]) in paths]
