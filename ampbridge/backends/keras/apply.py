@@ -216,9 +216,9 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
 
     Each layer's ``dtype_policy`` becomes its row's (compute, param) pair; a built layer whose
     variable dtype changes has its variables re-created in the new dtype with the same values;
-    a row whose output dtype differs from its compute dtype, every composite layer (its output
-    is its last sublayer's otherwise) and the model itself (to ``output_dtype``) get their
-    float outputs cast. On TensorFlow, a layer whose own code meets a pinned layer's output of
+    a layer whose rule sets ``output_dtype`` and the model itself (to ``output_dtype``) get their
+    float outputs cast, nothing else: a composite layer returns what its own code computes, as
+    in the hand-pinned model (native Keras casts each layer's inputs, never its outputs). On TensorFlow, a layer whose own code meets a pinned layer's output of
     another dtype (a Plan row saying so) runs with TensorFlow's numpy-style promotion of tensor
     operators, as JAX and torch promote (:func:`_tensorflow_promotion`). Layers not yet built are set up now and
     re-checked when they build (composite layers create their sublayers then). Compiled
