@@ -171,7 +171,8 @@ def _static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan
 
 #: the note of a composite layer whose own code meets a sublayer's output of another dtype
 _FOLLOWS = ("output follows the data flow: Keras casts nothing at a layer's output, so it returns what its own code "
-            "computes ({dtype} where {what} reaches it uncast, as in the hand-pinned model)")
+            "computes, as in the hand-pinned model: {compute} where a sublayer casts {what} back first (a pre-norm "
+            "block), {dtype} where it reaches the output uncast (a post-norm block); ak.trace shows which")
 
 
 def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: Policy) -> "tuple[list[PlanRow], int]":
@@ -179,26 +180,32 @@ def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: P
     (only the model's, to ``output_dtype``, and a rule's ``output_dtype``), so a Functional model or a
     Sequential returns its output layers' dtypes, and a layer whose own code calls a sublayer of
     another output dtype returns the two promoted where that output reaches it (keras-hub BERT's
-    post-norm encoder: its pinned norm's float32). Rows are filled children first; returns the rows
-    and how many follow the data flow (a static guess: the widest dtype)."""
+    post-norm encoder: its pinned norm's float32), or its compute dtype where a sublayer casts it back
+    (a pre-norm block): the row keeps its compute dtype and its note says both. Rows are filled
+    children first; returns the rows and how many follow the data flow."""
     index = {row.path: i for i, row in enumerate(rows)}
     explicit = {label for label, rule in policy.rules if rule.output_dtype}
+    ids = {id(sub): p for p, sub in by_path.items()}
+    called: dict[str, list[int]] = {}  # caller -> the rows its own code calls (one pass: 10,000 layers)
+    for j, r in enumerate(rows):
+        caller = _code_caller(r.path, by_path)
+        if caller is not None:
+            called.setdefault(caller, []).append(j)
     following = 0
     for i in range(len(rows) - 1, 0, -1):  # the root (row 0) is cast to output_dtype
         row, layer = rows[i], by_path[rows[i].path]
         if not layer._layers or row.rule in explicit:
             continue
-        graph = _graph_outputs(layer, by_path)
+        graph = _graph_outputs(layer, ids)
         if graph is not None:
             outs = {rows[index[p]].output_dtype for p in graph if p in index}
             what = "its output layers' output"
             if isinstance(layer, keras.layers.MultiHeadAttention):
                 what = "its output projection's output"
         else:
-            prefix = row.path + "." if row.path else ""
-            outs = {r.output_dtype for r in rows[i + 1:] if r.path.startswith(prefix)
-                    and _code_caller(r.path, by_path) == row.path and r.output_dtype != row.compute_dtype}
-            what = "a sublayer's " + "/".join(sorted(outs)) + " output"
+            outs = {rows[j].output_dtype for j in called.get(row.path, ())
+                    if rows[j].output_dtype != row.compute_dtype}
+            what = "a sublayer's " + "/".join(sorted(outs)) + " output"  # a pinned norm's float32
             outs |= {row.compute_dtype} if outs else set()
         if not outs:
             continue
@@ -206,8 +213,10 @@ def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: P
         out = outs.pop() if len(outs) == 1 else ("float64" if "float64" in outs else "float32")
         if graph is not None and " and " in several:  # a dict of outputs (a backbone's sequence and pooled)
             said = f"returns {several} ({what}s: Keras casts nothing at a layer's output); the column shows the widest"
+        elif graph is None and out != row.compute_dtype:  # the column keeps the compute dtype: a guess
+            said, out = _FOLLOWS.format(compute=row.compute_dtype, dtype=out, what=what), row.output_dtype
         elif out != row.output_dtype:
-            said = _FOLLOWS.format(dtype=out, what=what) if graph is None else f"returns {what} ({out})"
+            said = f"returns {what} ({out})"
         else:
             continue
         following += graph is None
@@ -215,10 +224,10 @@ def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: P
     return rows, following
 
 
-def _graph_outputs(layer: Any, by_path: dict[str, Any]) -> "list[str] | None":
+def _graph_outputs(layer: Any, paths: dict[int, str]) -> "list[str] | None":
     """The paths of the layers whose outputs a Functional model or a Sequential returns (and
-    MultiHeadAttention: its output projection's); None: the layer's own code decides."""
-    paths = {id(sub): p for p, sub in by_path.items()}
+    MultiHeadAttention: its output projection's); None: the layer's own code decides. ``paths``:
+    ``id(layer) -> path``."""
     if isinstance(layer, keras.layers.MultiHeadAttention):  # its call returns its output projection's output
         dense = getattr(layer, "_output_dense", None)
         return [paths[id(dense)]] if id(dense) in paths else None
