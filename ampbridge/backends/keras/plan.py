@@ -191,20 +191,20 @@ def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: P
         caller = _code_caller(r.path, by_path)
         if caller is not None:
             called.setdefault(caller, []).append(j)
-    following = 0
+    following, maybe = 0, {}  # maybe: the dtypes a data-flow row may return
     for i in range(len(rows) - 1, 0, -1):  # the root (row 0) is cast to output_dtype
         row, layer = rows[i], by_path[rows[i].path]
         if not layer._layers or row.rule in explicit:
             continue
         graph = _graph_outputs(layer, ids)
         if graph is not None:
-            outs = {rows[index[p]].output_dtype for p in graph if p in index}
+            outs = set().union(*({rows[index[p]].output_dtype} | maybe.get(p, set()) for p in graph if p in index))
             what = "its output layers' output"
             if isinstance(layer, keras.layers.MultiHeadAttention):
                 what = "its output projection's output"
         else:
-            outs = {rows[j].output_dtype for j in called.get(row.path, ())
-                    if rows[j].output_dtype != row.compute_dtype}
+            outs = set().union(*({rows[j].output_dtype} | maybe.get(rows[j].path, set())
+                                 for j in called.get(row.path, ()))) - {row.compute_dtype}
             what = "a sublayer's " + "/".join(sorted(outs)) + " output"  # a pinned norm's float32
             outs |= {row.compute_dtype} if outs else set()
         if not outs:
@@ -214,6 +214,7 @@ def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: P
         if graph is not None and " and " in several:  # a dict of outputs (a backbone's sequence and pooled)
             said = f"returns {several} ({what}s: Keras casts nothing at a layer's output); the column shows the widest"
         elif graph is None and out != row.compute_dtype:  # the column keeps the compute dtype: a guess
+            maybe[row.path] = {row.compute_dtype, out}
             said, out = _FOLLOWS.format(compute=row.compute_dtype, dtype=out, what=what), row.output_dtype
         elif out != row.output_dtype:
             said = f"returns {what} ({out})"
