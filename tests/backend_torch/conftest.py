@@ -110,7 +110,8 @@ if HAVE_TORCH:
 
     MAIN_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "native_layer_norm", "native_group_norm",
                 "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_softmax",
-                "_log_softmax", "embedding", "_embedding_bag", "mkldnn_rnn_layer", "_trilinear", "gelu"}
+                "_log_softmax", "embedding", "_embedding_bag", "mkldnn_rnn_layer", "_trilinear", "gelu",
+                "_grouped_mm", "grouped_mm"}  # MoE experts (transformers' grouped_mm): a matmul autocast leaves alone
     CAST_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "linear", "matmul"}
     NOT_COMPUTE = {"_to_copy", "copy_", "detach", "empty", "empty_like", "zeros", "zeros_like", "ones", "full",
                    "arange", "lift_fresh", "clone", "t", "view", "transpose", "expand", "unsqueeze", "squeeze",

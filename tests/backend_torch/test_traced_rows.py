@@ -93,5 +93,7 @@ def test_moe_experts_through_grouped_mm_are_traced_in_float32():
     assert set(ran) == {torch.float32}  # CPU autocast leaves _grouped_mm alone
     traced = amp.trace(ids)
     for path in experts:
-        assert amp.plan[path].compute_dtype == "bfloat16"  # the static guess
-        assert traced[path].compute_dtype == "float32" and "traced: ran in float32" in traced[path].note
+        static = amp.plan[path]  # the static row says it too, and counts its parameters as float32
+        assert (static.compute_dtype, static.output_dtype) == ("float32", "float32") and "grouped_mm" in static.note
+        assert (traced[path].compute_dtype, traced[path].output_dtype) == ("float32", "float32")
+        assert traced[path] == static  # what ran is what the static row said

@@ -105,6 +105,15 @@ def _set_output_cast(layer: Any, dtype: str | None) -> None:
     _call_wrapper(layer).cast = dtype
 
 
+def _output_cast(row: Any, policy: Policy, rules: dict[str, Any]) -> str | None:
+    """The dtype a layer's float outputs are cast to, or None: the model's to ``output_dtype``, a
+    layer's to the ``output_dtype`` its rule asks for; nothing else (the hand-pinned model's way)."""
+    if row.path == "":
+        return policy.output_dtype
+    rule = rules.get(row.rule)
+    return row.output_dtype if rule is not None and rule.output_dtype is not None else None
+
+
 @contextlib.contextmanager
 def _tensorflow_promotion() -> Iterator[None]:
     """TensorFlow's numpy-style promotion of tensor operators while the block runs: ``float16 +
@@ -207,9 +216,9 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
 
     Each layer's ``dtype_policy`` becomes its row's (compute, param) pair; a built layer whose
     variable dtype changes has its variables re-created in the new dtype with the same values;
-    a row whose output dtype differs from its compute dtype, every composite layer (its output
-    is its last sublayer's otherwise) and the model itself (to ``output_dtype``) get their
-    float outputs cast. On TensorFlow, a layer whose own code meets a pinned layer's output of
+    a layer whose rule sets ``output_dtype`` and the model itself (to ``output_dtype``) get their
+    float outputs cast, nothing else: a composite layer returns what its own code computes, as
+    in the hand-pinned model (native Keras casts each layer's inputs, never its outputs). On TensorFlow, a layer whose own code meets a pinned layer's output of
     another dtype (a Plan row saying so) runs with TensorFlow's numpy-style promotion of tensor
     operators, as JAX and torch promote (:func:`_tensorflow_promotion`). Layers not yet built are set up now and
     re-checked when they build (composite layers create their sublayers then). Compiled
@@ -234,6 +243,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     callers = {_code_caller(row.path, by_path) for row in requested if streams(row) is not None}
     _set_promotion(by_path, {c for c in callers if c is not None} if _backend() == "tensorflow" else set())
     recast = False
+    rules = dict(active.rules)
     for row in requested:
         layer = by_path[row.path]
         if getattr(layer.dtype_policy, "quantization_mode", None) is not None:
@@ -259,12 +269,10 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
                 recast |= _recast_variables(layer, old_variable_dtype, row.param_dtype)
             layer.dtype_policy = new
             _recast_constants(layer)
-        wanted = policy.output_dtype if row.path == "" else row.output_dtype
-        # Keras layers emit their compute dtype; a composite layer emits whatever its last
-        # sublayer does (a pinned norm at the end of an unpinned block: float32), so composites
-        # always get the cast (a no-op where the dtype already matches)
-        composite = bool(layer._layers)
-        _set_output_cast(layer, wanted if wanted != row.compute_dtype or composite else None)
+        # only the model's outputs and a rule's output_dtype are cast: native Keras casts nothing at
+        # a layer's output, so a composite emits what its own code computes (keras-hub BERT's
+        # post-norm encoder: its pinned norm's float32), as the hand-pinned model does
+        _set_output_cast(layer, _output_cast(row, policy, rules))
         if not layer.built:
             _rebuild_hook(layer, model, policy)
     recast |= fp8.realise(model, active, requested, by_path)  # after the dtype policies: float8 keeps them

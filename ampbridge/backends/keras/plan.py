@@ -7,6 +7,7 @@ Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_static_plan``,
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -157,5 +158,84 @@ def _static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan
     described, by_path = _describe(model)
     from .fp8 import mark_rows
 
-    return mark_rows(build_plan(described, policy, framework=f"keras ({_backend()})",
-                                adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes))
+    built = build_plan(described, policy, framework=f"keras ({_backend()})",
+                       adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
+    rows, following = _composite_outputs(list(built.rows), by_path, _phase0(policy))
+    if following:
+        notes = built.notes + (f"{following} composite row(s) follow the data flow (Keras casts nothing at a "
+                               "layer's output); ampbridge.keras.trace(model, policy, *example_inputs) traces "
+                               "the exact dtypes",)
+        built = replace(built, rows=tuple(rows), notes=notes)
+    return mark_rows(built)
+
+
+#: the note of a composite layer whose own code meets a sublayer's output of another dtype
+_FOLLOWS = ("output follows the data flow: Keras casts nothing at a layer's output, so it returns what its own code "
+            "computes, as in the hand-pinned model: {compute} where a sublayer casts {what} back first (a pre-norm "
+            "block), {dtype} where it reaches the output uncast (a post-norm block); ak.trace shows which")
+
+
+def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: Policy) -> "tuple[list[PlanRow], int]":
+    """Each composite layer's output dtype, as native Keras runs it: nothing casts a layer's output
+    (only the model's, to ``output_dtype``, and a rule's ``output_dtype``), so a Functional model or a
+    Sequential returns its output layers' dtypes, and a layer whose own code calls a sublayer of
+    another output dtype returns the two promoted where that output reaches it (keras-hub BERT's
+    post-norm encoder: its pinned norm's float32), or its compute dtype where a sublayer casts it back
+    (a pre-norm block): the row keeps its compute dtype and its note says both. Rows are filled
+    children first; returns the rows and how many follow the data flow."""
+    index = {row.path: i for i, row in enumerate(rows)}
+    explicit = {label for label, rule in policy.rules if rule.output_dtype}
+    ids = {id(sub): p for p, sub in by_path.items()}
+    called: dict[str, list[int]] = {}  # caller -> the rows its own code calls (one pass: 10,000 layers)
+    for j, r in enumerate(rows):
+        caller = _code_caller(r.path, by_path)
+        if caller is not None:
+            called.setdefault(caller, []).append(j)
+    following, maybe = 0, {}  # maybe: the dtypes a data-flow row may return
+    for i in range(len(rows) - 1, 0, -1):  # the root (row 0) is cast to output_dtype
+        row, layer = rows[i], by_path[rows[i].path]
+        if not layer._layers or row.rule in explicit:
+            continue
+        graph = _graph_outputs(layer, ids)
+        if graph is not None:
+            outs = set().union(*({rows[index[p]].output_dtype} | maybe.get(p, set()) for p in graph if p in index))
+            what = "its output layers' output"
+            if isinstance(layer, keras.layers.MultiHeadAttention):
+                what = "its output projection's output"
+        else:
+            outs = set().union(*({rows[j].output_dtype} | maybe.get(rows[j].path, set())
+                                 for j in called.get(row.path, ()))) - {row.compute_dtype}
+            what = "a sublayer's " + "/".join(sorted(outs)) + " output"  # a pinned norm's float32
+            outs |= {row.compute_dtype} if outs else set()
+        if not outs:
+            continue
+        several = " and ".join(sorted(outs))
+        out = outs.pop() if len(outs) == 1 else ("float64" if "float64" in outs else "float32")
+        if graph is not None and " and " in several:  # a dict of outputs (a backbone's sequence and pooled)
+            said = f"returns {several} ({what}s: Keras casts nothing at a layer's output); the column shows the widest"
+        elif graph is None and out != row.compute_dtype:  # the column keeps the compute dtype: a guess
+            maybe[row.path] = {row.compute_dtype, out}
+            said, out = _FOLLOWS.format(compute=row.compute_dtype, dtype=out, what=what), row.output_dtype
+        elif out != row.output_dtype:
+            said = f"returns {what} ({out})"
+        else:
+            continue
+        following += graph is None
+        rows[i] = with_note(row, "; ".join(n for n in (row.note, said) if n), output_dtype=out)
+    return rows, following
+
+
+def _graph_outputs(layer: Any, paths: dict[int, str]) -> "list[str] | None":
+    """The paths of the layers whose outputs a Functional model or a Sequential returns (and
+    MultiHeadAttention: its output projection's); None: the layer's own code decides. ``paths``:
+    ``id(layer) -> path``."""
+    if isinstance(layer, keras.layers.MultiHeadAttention):  # its call returns its output projection's output
+        dense = getattr(layer, "_output_dense", None)
+        return [paths[id(dense)]] if id(dense) in paths else None
+    if isinstance(layer, keras.Sequential):
+        return [paths[id(layer.layers[-1])]] if layer.layers and id(layer.layers[-1]) in paths else []
+    outputs = getattr(layer, "outputs", None) if isinstance(layer, keras.Model) else None
+    if outputs is None:
+        return None
+    made = [getattr(t, "_keras_history", None) for t in keras.tree.flatten(outputs)]
+    return [paths[id(h[0])] for h in made if h is not None and id(h[0]) in paths]

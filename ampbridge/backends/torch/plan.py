@@ -152,21 +152,76 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
     # The caller's output is not cast (hand-written autocast casts nothing at a module's boundary):
     # torch promotes the stream and carries it on, so the caller's output follows the data flow
     streams = stream_notes(policy, lambda path: _code_caller(path, modules))
-    stream_of = {row.path: streams(row) for row in raw.rows}
+    storage = _storage(raw, modules)
+    grouped = _grouped_experts(modules, storage)  # MoE experts computing in their weights' dtype
+    stream_of = {row.path: streams(_as_grouped(row, grouped, modules, device_type)) for row in raw.rows}
     widened: dict[str, set[str]] = defaultdict(set)  # caller -> the pinned output dtypes meeting its stream
     for row in raw.rows:
         if stream_of[row.path]:
-            widened[_code_caller(row.path, modules) or ""].add(row.output_dtype)
+            widened[_code_caller(row.path, modules) or ""].add(grouped.get(row.path, row.output_dtype))
 
-    walk = _Walk(policy, device_type, raw, modules, _storage(raw, modules), bypassed, stream_of, widened,
+    walk = _Walk(policy, device_type, raw, modules, storage, bypassed, stream_of, widened,
                  kept, _low_below(raw))
-    final = [_realise_row(walk, row) for row in raw.rows]
+    final = _grouped_rows([_realise_row(walk, row) for row in raw.rows], grouped, walk.input_following)
     input_following, specs, storage = walk.input_following, walk.specs, walk.storage
     final = _sequential_outputs(final, modules, rules, input_following)
     plan_notes = _plan_notes(policy, list(notes) + kept_notes, input_following)
     out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
     return _Realisation(out, policy, specs, storage, frozenset(input_following),
                         frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
+
+
+def _grouped_experts(modules: Mapping[str, nn.Module], storage: Mapping[int, tuple[nn.Parameter, torch.dtype]]
+                     ) -> dict[str, str]:
+    """MoE experts that transformers runs through ``grouped_mm`` (Mixtral, Qwen2-MoE...), by path ->
+    the dtype they compute in: their weights'. ``torch._grouped_mm`` has no autocast rule (CPU or CUDA),
+    and transformers casts the experts' input to the weights' dtype before it, so under autocast
+    they compute in float32 where their weights are stored in float32."""
+    out = {}
+    for path, module in modules.items():
+        config = getattr(module, "config", None)
+        if not hasattr(module, "is_concatenated") or getattr(config, "_experts_implementation", None) != "grouped_mm":
+            continue  # "eager" and "batched_mm" run F.linear / bmm, which autocast casts
+        stored = {_NAMES[storage[id(p)][1]] for p in module.parameters(recurse=False) if id(p) in storage}
+        if len(stored) == 1:
+            out[path] = stored.pop()
+    return out
+
+
+def _as_grouped(row: PlanRow, grouped: Mapping[str, str], modules: Mapping[str, nn.Module], device_type: str
+                ) -> PlanRow:
+    """The row with the dtype grouped-mm experts compute in, for them and for the modules inside
+    them that follow their input (what their callers' streams meet)."""
+    experts = next((p for p in grouped if row.path == p or row.path.startswith(p + ".")), None)
+    if experts is None or (row.path != experts and _behaviour(modules[row.path], device_type) != "input"):
+        return row
+    return replace(row, compute_dtype=grouped[experts], output_dtype=grouped[experts])
+
+
+#: the note of a row of grouped-mm MoE experts, and of the input-following modules inside them
+_GROUPED = ("transformers runs these experts through grouped_mm, which autocast does not cast: their input is cast "
+            "to the weights' dtype, so they compute in {dtype}")
+_GROUPED_INSIDE = "fed by {experts}'s grouped_mm output ({dtype})"
+
+
+def _grouped_rows(rows: list[PlanRow], grouped: Mapping[str, str], following: set[str]) -> list[PlanRow]:
+    """The rows of grouped-mm experts compute and emit in their weights' dtype (the parameter share
+    counts them so); the modules inside them that follow their input (the activation) too."""
+    if not grouped:
+        return rows
+    out = []
+    for row in rows:
+        experts = next((p for p in grouped if row.path == p or row.path.startswith(p + ".")), None)
+        dtype = grouped.get(experts) if experts is not None else None
+        if dtype is None or (row.path != experts and row.path not in following) or (
+                row.compute_dtype, row.output_dtype) == (dtype, dtype):
+            out.append(row)
+            continue
+        note = _GROUPED.format(dtype=dtype) if row.path == experts else _GROUPED_INSIDE.format(
+            experts=experts.rsplit(".", 1)[-1], dtype=dtype)
+        reason = row.note.split(" (")[0] if row.path != experts and row.note else row.note
+        out.append(with_note(row, join_notes(reason, note), compute_dtype=dtype, output_dtype=dtype))
+    return out
 
 
 @dataclass
@@ -366,7 +421,8 @@ def _sequential_outputs(rows: list[PlanRow], modules: Mapping[str, nn.Module], r
 #: added to the shared stream note on a torch row: what torch does with the promoted stream
 _TORCH_STREAM = ("; in torch {caller} returns the promoted stream uncast, as hand-written autocast does (Keras "
                  "casts each layer's inputs to its own dtype instead)")
-_CALLER_NOTE = ("output follows the data flow: a pinned module's output promotes this module's stream ({dtype} "
+_CALLER_NOTE = ("output follows the data flow: the output of a pinned module, or of MoE experts computing in their "
+                "weights' dtype, promotes this module's stream ({dtype} "
                 "where it reaches the output) and nothing casts it back, as with autocast by hand")
 
 

@@ -149,16 +149,20 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         else:
             observed = last.get(path)
         follows = path in amp._realisation.input_following
-        if observed is None or (observed == row.compute_dtype and not follows):
+        # what the module returned (a container carrying a promoted stream: its last op's dtype)
+        returned = delivered.get(path) if delivered.get(path, row.output_dtype) != row.output_dtype else None
+        if (observed is None or (observed == row.compute_dtype and not follows)) and returned is None:
             rows.append(row)
             continue
         changes: dict[str, Any] = {}
-        if observed in DTYPES:
+        if observed in DTYPES and observed != row.compute_dtype:
             changes["compute_dtype"] = observed
-        if follows and path in delivered:  # mixed compute ("float16+float32") still has one output dtype
+        if path in delivered and (follows or returned):  # mixed compute ("float16+float32"): one output dtype
             changes["output_dtype"] = delivered[path]
         reason = row.note.split(" (")[0] if follows and row.note else row.note
-        rows.append(with_note(row, join_notes(reason, f"traced: ran in {observed}"), **changes))
+        said = [f"ran in {observed}"] if observed is not None and (observed != row.compute_dtype or follows) else []
+        said += [f"returned {returned}"] if returned and not follows else []
+        rows.append(with_note(row, join_notes(reason, "traced: " + ", ".join(said)) if said else reason, **changes))
     traced = Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
                   amp.plan.notes + ("traced: compute dtypes observed in one forward",))
     idle = idle_rules(traced, ran)
