@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,13 @@ def _side_by_side(plans: dict[str, Plan], promoted: frozenset[str] = frozenset()
     if all(not rest for rest, _ in compared):
         table = first.table().replace(f"Plan ({first.framework}):", "Plan:", 1)  # one Plan, not torch's
         streams = sorted({p for _, allowed in compared for p in allowed})
-        but = (f" but the output of {', '.join(p or '(root)' for p in streams)}: {first.framework} carries the "
-               f"promoted stream on (its row), {', '.join(names[1:])} cast the next layer's inputs") if streams else ""
-        return f"Plan (identical in {', '.join(names)}{but}):\n" + table
+        if not streams:
+            return f"Plan (identical in {', '.join(names)}):\n" + table
+        where = ", ".join(p or "(root)" for p in streams)
+        why = (f"{where}: {first.framework} carries the promoted stream on (its row); {', '.join(names[1:])} cast "
+               "the next layer's inputs")  # on its own lines: the heading stays under 120 characters
+        return (f"Plan (identical in {', '.join(names)} but the output of {where}):\n"
+                + textwrap.fill(why, 118, initial_indent="  ", subsequent_indent="    ") + "\n" + table)
     paths = list(dict.fromkeys(r.path for p in plans.values() for r in p.rows))
     rows = []
     for path in paths:
