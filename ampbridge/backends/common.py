@@ -241,6 +241,30 @@ def walk_tree(root: Any, children: Callable[[Any], list[tuple[str, Any]]]) -> It
 
 # --- a [[phase]] schedule's clock in a fit callback (Keras 3 and tf.keras 2) ------------------------
 
+def clone_keras_model(keras_module: Any, model: Any) -> Any:
+    """A copy of a Keras 3 or tf.keras 2 model with the same layer names and weights (``tune`` runs
+    on copies: the user's model is never applied to)."""
+    name = keras_module.__name__
+    try:
+        clone = keras_module.models.clone_model(model)
+    except Exception as e:  # a subclassed model without a config: say what tune needs
+        raise TypeError(f"tune clones the model with {name}.models.clone_model, which failed: "
+                        f"{type(e).__name__}: {e}") from None
+    clone.set_weights(model.get_weights())
+    return clone
+
+
+def stack_batches(batches: Any, who: str) -> tuple[Any, Any, int]:
+    """``(x, y)`` batches of one size as two arrays and that size (what one ``fit`` call takes)."""
+    import numpy as np
+
+    xs, ys = zip(*batches)
+    sizes = {len(x) for x in xs}
+    if len(sizes) != 1:
+        raise ValueError(f"tune's {who} data: every batch must have the same size; received sizes {sorted(sizes)}")
+    return np.concatenate([np.asarray(x) for x in xs]), np.concatenate([np.asarray(y) for y in ys]), sizes.pop()
+
+
 class PhaseClock:
     """The step and epoch bookkeeping of a ``fit`` callback running a ``[[phase]]`` schedule, framework-free:
     mixed in before the framework's ``Callback`` class, it calls :meth:`_enter` at each epoch (or step,

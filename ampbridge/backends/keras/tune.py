@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import keras
-import numpy as np
 
 from ...core.policy import Policy
 from ...diagnostics.runlog import RunLog, read_log
 from ...diagnostics.tune import TOLERANCE, StepCycle, TuneResult, tune_policy
-from ..common import as_policy
+from ..common import as_policy, clone_keras_model, stack_batches
 from .apply import apply
 from .loss_scale import optimizer as scaled_optimizer
 from .monitor import MonitorCallback
@@ -22,23 +21,6 @@ from .monitor import MonitorCallback
 __all__ = ["tune"]
 
 
-def _clone(model: Any) -> Any:
-    """A copy with the same layer names and weights (the user's model is never applied to)."""
-    try:
-        clone = keras.models.clone_model(model)
-    except Exception as e:  # a subclassed model without a config: say what tune needs
-        raise TypeError(f"tune clones the model with keras.models.clone_model, which failed: "
-                        f"{type(e).__name__}: {e}") from None
-    clone.set_weights(model.get_weights())
-    return clone
-
-
-def _stack(cycle: StepCycle) -> tuple[Any, Any, int]:
-    xs, ys = zip(*cycle.batches)
-    sizes = {len(x) for x in xs}
-    if len(sizes) != 1:
-        raise ValueError(f"tune's Keras data: every batch must have the same size; received sizes {sorted(sizes)}")
-    return np.concatenate([np.asarray(x) for x in xs]), np.concatenate([np.asarray(y) for y in ys]), sizes.pop()
 
 
 def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any, *, steps: int = 8,
@@ -55,14 +37,14 @@ def tune(model: Any, policy: Policy | str | Path, data: Iterable[Any], loss: Any
     seeds Python's, NumPy's and the Keras backend's global generators).
     """
     cycle = StepCycle.of(data, steps)
-    x, y, batch_size = _stack(cycle)
+    x, y, batch_size = stack_batches(cycle.batches, "Keras")
     make_opt = optimizer or (lambda: keras.optimizers.Adam(1e-3))
     with tempfile.TemporaryDirectory(prefix="ampbridge-tune-") as tmp:
         count = iter(range(1 << 30))
 
         def run(p: Policy) -> RunLog:
             path = Path(tmp) / f"run{next(count)}.jsonl"
-            work = apply(_clone(model), p, warn=False)
+            work = apply(clone_keras_model(keras, model), p, warn=False)
             work.compile(optimizer=scaled_optimizer(make_opt(), p), loss=loss)
             callback = MonitorCallback(path, every=1)
             keras.utils.set_random_seed(seed)
