@@ -142,6 +142,8 @@ def test_zoo_plan_pins_and_runs(name, compute, probe):
     assert not got["mismatches"], "\n".join(got["mismatches"])
     assert got["attention_paths"] and got["matched_attention"] == got["attention_paths"], (
         f"kind:attention matched {sorted(got['matched_attention'] ^ got['attention_paths'])} wrongly")
+    width = max(map(len, got["plan"].table().splitlines()))
+    assert width <= 120, f"{name}: the Plan table has a line of {width} characters (notes are footnotes)"
 
 
 @pytest.mark.parametrize("compute", list(DTYPES))
