@@ -155,6 +155,9 @@ HOOKS: tuple[PrivateHook, ...] = (
        _TRACE),
     _h("._after_closure", "torch", "Lightning precision plugin's post-closure hook (trainers.py)",
        _T + "test_trainers.py"),
+    _h("._experts_implementation", "torch", "transformers' config attribute naming how MoE experts run "
+       "(\"grouped_mm\": torch._grouped_mm, which autocast leaves alone; plan.py's static rows)",
+       _T + "test_zoo_traced.py"),
     _h("._optimizers", "torch", "Accelerator._optimizers: accelerate's prepared optimizers, told a skipped step "
        "(trainers.py, the Hugging Face Trainer callback)", _T + "test_trainers.py"),
     # ATen overload names trace() matches (private ops are what autocast dispatches to)
@@ -165,6 +168,10 @@ HOOKS: tuple[PrivateHook, ...] = (
         "_scaled_dot_product_flash_attention_for_cpu", "_softmax", "_to_copy", "_trilinear")),
     # --- keras: the LossScaleOptimizer subclass (loss_scale.py): Keras's class routes a step through
     # these; the first-step guard (_verified_apply) fails loudly if a release stops calling them
+    _h("._output_dense", "keras", "MultiHeadAttention's output projection: the dtype its static Plan row "
+       "says the layer returns (plan.py)", _K + "test_zoo.py"),
+    _h("._keras_history", "keras", "the layer that made a Functional model's output tensor: the dtypes a "
+       "composite model's static row says it returns (plan.py)", _K + "test_zoo.py"),
     _h("LossScaleOptimizer._common_apply", "keras", "override: the step on torch/JAX-eager backends", _KLS),
     _h("LossScaleOptimizer._stateful_handle_finite_grads", "keras", "override: TF merge_call path", _KLS),
     _h("LossScaleOptimizer._stateful_handle_non_finite_grads", "keras", "override: TF merge_call path", _KLS),

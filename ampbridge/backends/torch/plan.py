@@ -260,38 +260,48 @@ def _low_below(raw: Plan) -> set[str]:
     return low_below
 
 
-def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
-    """One row as torch runs it; the module's spec (how it is run) goes into ``walk.specs``."""
+def _bypassed_row(walk: _Walk, row: PlanRow) -> PlanRow:
+    """A module whose parameters its parent's own forward uses (it is never called): the parent's dtype."""
+    owner = walk.bypassed[row.path]
+    parent = walk.raw[owner]
+    if row.compute_dtype != parent.compute_dtype:
+        raise UnsupportedOptionError(
+            f"{row.rule} ({row.pattern}) sets {row.path!r} to compute in {row.compute_dtype}, but "
+            f"{_class_name(walk.modules[owner])} {owner!r} uses its parameters in its own "
+            f"forward (it never calls {row.path!r}); match {owner!r} instead")
+    return with_note(row, f"its parameters are used by {owner}'s forward, which "
+                          f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype)
+
+
+def _stored_elsewhere(module: nn.Module, row: PlanRow, own_stored: set[Any]) -> tuple[str, str] | None:
+    """The dtype the module's parameters are kept in where it is not the row's, and why (None: the row's)."""
     from torch.nn.modules.batchnorm import _NormBase
 
-    policy, device_type, raw, modules = walk.policy, walk.device_type, walk.raw, walk.modules
-    storage, bypassed, stream_of, widened, kept = walk.storage, walk.bypassed, walk.stream_of, walk.widened, walk.kept
-    specs, region_root, input_following = walk.specs, walk.region_root, walk.input_following
-    low_below, rules = walk.low_below, dict(policy.rules)
-    module = modules[row.path]
-    behaviour = _behaviour(module, device_type)
-    path = row.path
-    stream = stream_of[path]
-    if path in bypassed:
-        parent = raw[bypassed[path]]
-        if row.compute_dtype != parent.compute_dtype:
-            raise UnsupportedOptionError(
-                f"{row.rule} ({row.pattern}) sets {path!r} to compute in {row.compute_dtype}, but "
-                f"{_class_name(modules[bypassed[path]])} {bypassed[path]!r} uses its parameters in its own "
-                f"forward (it never calls {path!r}); match {bypassed[path]!r} instead")
-        return with_note(row, f"its parameters are used by {bypassed[path]}'s forward, which "
-                              f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype)
-    is_root = path == ""  # its region, input and output casts are the root spec (below)
+    stored = {_NAMES[d] for d in own_stored}
+    if len(stored) != 1 or stored == {row.param_dtype}:
+        return None
+    name = stored.pop()
+    if isinstance(module, _NormBase) and module.track_running_stats:
+        return name, (f"parameters kept in {name}: torch's batch_norm needs them in its float32 running "
+                      "statistics' dtype")
+    return name, f"parameters kept in {name}: shared with another module that needs it"
+
+
+def _casts(walk: _Walk, row: PlanRow, module: nn.Module, behaviour: str) -> tuple[bool, bool, Any, set[Any]]:
+    """How the module at ``row.path`` is entered: whether it opens its own autocast region, whether its
+    inputs are cast, the dtype its own parameters are presented in for the call (None: as stored), and
+    the dtypes its own parameters are stored in. Records the row's region root in ``walk.region_root``."""
+    path, compute, policy = row.path, row.compute_dtype, walk.policy
+    is_root = path == ""
     parent_path = path.rsplit(".", 1)[0] if "." in path else ""
-    enclosing = policy.compute_dtype if is_root else raw[parent_path].compute_dtype
-    compute = row.compute_dtype
+    enclosing = policy.compute_dtype if is_root else walk.raw[parent_path].compute_dtype
     own_float = [p for p in module.parameters(recurse=False)
                  if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
-    own_stored = {storage[id(p)][1] for p in own_float if id(p) in storage}
+    own_stored = {walk.storage[id(p)][1] for p in own_float if id(p) in walk.storage}
     own_low = any(d in _LOW for d in own_stored)
     region_change = compute != enclosing and not is_root
-    region_root[path] = path if region_change else region_root.get(parent_path, "")
-    mixed_float32 = (compute == "float32" and not region_change and region_root[path] in low_below
+    walk.region_root[path] = path if region_change else walk.region_root.get(parent_path, "")
+    mixed_float32 = (compute == "float32" and not region_change and walk.region_root[path] in walk.low_below
                      and next(module.children(), None) is None and behaviour != "weights")
     present_as = None  # own parameters presented in the compute dtype for the call
     if own_low and any(d != DTYPES[compute] for d in own_stored) and (
@@ -300,6 +310,23 @@ def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
     cast_inputs = region_change or mixed_float32 or (own_low and behaviour in ("input", "custom"))
     if is_root:  # the caller's region is the policy's: a rule on the root changes it
         cast_inputs = compute != policy.compute_dtype or (own_low and behaviour in ("input", "custom"))
+    return region_change, cast_inputs, present_as, own_stored
+
+
+def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
+    """One row as torch runs it; the module's spec (how it is run) goes into ``walk.specs``."""
+    policy, device_type, modules = walk.policy, walk.device_type, walk.modules
+    bypassed, stream_of, widened, kept = walk.bypassed, walk.stream_of, walk.widened, walk.kept
+    specs, input_following, rules = walk.specs, walk.input_following, dict(policy.rules)
+    module = modules[row.path]
+    behaviour = _behaviour(module, device_type)
+    path = row.path
+    stream = stream_of[path]
+    if path in bypassed:
+        return _bypassed_row(walk, row)
+    is_root = path == ""  # its region, input and output casts are the root spec (below)
+    compute = row.compute_dtype
+    region_change, cast_inputs, present_as, own_stored = _casts(walk, row, module, behaviour)
     rule = rules.get(row.rule)
     explicit_output = rule is not None and rule.output_dtype is not None
     natural, natural_out, note, follows = _natural(row, module, behaviour, device_type, present_as, cast_inputs,
@@ -322,15 +349,10 @@ def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
         natural_out, follows = wider, True
     if row.rule == BY_MODEL and path in kept:
         notes_here.insert(0, kept[path].declared)
-    stored = {_NAMES[d] for d in own_stored}
-    if len(stored) == 1 and stored != {row.param_dtype}:
-        stored_name = stored.pop()
-        changes["param_dtype"] = stored_name
-        if isinstance(module, _NormBase) and module.track_running_stats:
-            notes_here.append(f"parameters kept in {stored_name}: torch's batch_norm needs them in its float32 "
-                              f"running statistics' dtype")
-        else:
-            notes_here.append(f"parameters kept in {stored_name}: shared with another module that needs it")
+    stored = _stored_elsewhere(module, row, own_stored)
+    if stored is not None:
+        changes["param_dtype"], note_here = stored
+        notes_here.append(note_here)
     if wrap:
         # the output is cast only where a rule asks for an output dtype: a pinned module emits what
         # it computes, as under autocast(enabled=False) by hand

@@ -1,7 +1,6 @@
 """What one forward really computed in: the dtypes observed per module (a dispatch mode and
 module hooks) written onto the Plan's rows (``trace(model, policy, *inputs)``, ``amp.trace``).
 
-Holds ``trace`` and ``_trace``.
 """
 
 from __future__ import annotations
@@ -66,106 +65,129 @@ def trace(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, w
     return _trace(amp, example_inputs, example_kwargs)
 
 
-def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-    # amp: the TorchAmp (whose trace() calls this; apply imports this room, not the other way)
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _Recording:
+    """What one forward of ``amp.model`` computed, per module path: the dtypes of its main ops, the
+    region (autocast dtype) its children saw, its last floating op, what it returned, whether it ran."""
 
-    model = amp.model
-    paths = {id(m): p for p, m in model.named_modules()}
-    stack: list[str] = []
-    main: dict[str, list[str]] = defaultdict(list)  # path -> dtypes of its main ops
-    ops: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # path -> main op -> dtypes
-    acted: set[str] = set()  # paths during whose forward (theirs or their children's) a floating op ran
-    last: dict[str, str] = {}  # path -> dtype of its last floating op
-    regions: dict[str, str] = {}  # path -> region seen by its children
-    delivered: dict[str, str] = {}  # path -> dtype of its (first floating) output
-    ran: set[str] = set()
+    def __init__(self, amp: Any) -> None:
+        self.amp = amp
+        self.paths = {id(m): p for p, m in amp.model.named_modules()}
+        self.stack: list[str] = []
+        self.main: dict[str, list[str]] = defaultdict(list)  # path -> dtypes of its main ops
+        self.ops: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # path -> op -> dtypes
+        self.acted: set[str] = set()  # paths during whose forward (theirs or their children's) a floating op ran
+        self.last: dict[str, str] = {}  # path -> dtype of its last floating op
+        self.regions: dict[str, str] = {}  # path -> region seen by its children
+        self.delivered: dict[str, str] = {}  # path -> dtype of its (first floating) output
+        self.ran: set[str] = set()
 
-    def region_now() -> str:
-        if torch.is_autocast_enabled(amp.device_type):
-            return _NAMES.get(torch.get_autocast_dtype(amp.device_type), "float32")
+    def _region_now(self) -> str:
+        device = self.amp.device_type
+        if torch.is_autocast_enabled(device):
+            return _NAMES.get(torch.get_autocast_dtype(device), "float32")
         return "float32"
 
-    def pre(module: nn.Module, _args: Any) -> None:
-        path = paths.get(id(module))
+    def pre(self, module: nn.Module, _args: Any) -> None:
+        path = self.paths.get(id(module))
         if path is None:
             return
-        if stack:
-            regions.setdefault(stack[-1], region_now())
-        stack.append(path)
-        ran.add(path)
+        if self.stack:
+            self.regions.setdefault(self.stack[-1], self._region_now())
+        self.stack.append(path)
+        self.ran.add(path)
 
-    def post(module: nn.Module, _args: Any, out: Any) -> None:
-        path = paths.get(id(module))
-        if path is not None and stack:
-            stack.pop()
+    def post(self, module: nn.Module, _args: Any, out: Any) -> None:
+        path = self.paths.get(id(module))
+        if path is not None and self.stack:
+            self.stack.pop()
             first = out[0] if isinstance(out, (tuple, list)) and out else out
             if isinstance(first, torch.Tensor) and first.is_floating_point() and first.dtype in _NAMES:
-                delivered.setdefault(path, _NAMES[first.dtype])
+                self.delivered.setdefault(path, _NAMES[first.dtype])
 
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            name = func.overloadpacket.__name__
-            if stack and name not in _IGNORED_OPS:
-                first = out[0] if isinstance(out, (tuple, list)) and out else out
-                if isinstance(first, torch.Tensor) and first.is_floating_point():
-                    dtype = _NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
-                    last[stack[-1]] = dtype
-                    acted.update(stack)
-                    if name in _COMPUTE_OPS:
-                        main[stack[-1]].append(dtype)
-                        ops[stack[-1]][name].add(dtype)
-            return out
+    def op(self, name: str, out: Any) -> None:
+        if not self.stack or name in _IGNORED_OPS:
+            return
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            dtype = _NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
+            self.last[self.stack[-1]] = dtype
+            self.acted.update(self.stack)
+            if name in _COMPUTE_OPS:
+                self.main[self.stack[-1]].append(dtype)
+                self.ops[self.stack[-1]][name].add(dtype)
 
-    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
-    hooks = [nn.modules.module.register_module_forward_pre_hook(pre),
-             nn.modules.module.register_module_forward_hook(post, always_call=True)]
-    rng_devices = [] if amp.device_type == "cpu" else None  # None: every device of that type
-    rng_type = "cuda" if amp.device_type == "cpu" else amp.device_type
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=rng_type), Recorder():
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                b.copy_(saved[n])
-    rows = []
-    for row in amp.plan.rows:
-        path = row.path
-        if path not in ran:
-            rows.append(row if path in amp._realisation.bypassed else not_run(row))  # its parent uses it
-            continue
-        if path not in acted:  # an eval-mode Dropout returns its input: nothing was observed
-            rows.append(with_note(row, join_notes(row.note, NO_OP)))
-            continue
-        row = _other_ops(row, ops.get(path, {}))
-        if path in regions and not main.get(path):
-            observed = regions[path]
-        elif main.get(path):
-            observed = main[path][0] if len(set(main[path])) == 1 else "+".join(sorted(set(main[path])))
-        else:
-            observed = last.get(path)
-        follows = path in amp._realisation.input_following
-        # what the module returned (a container carrying a promoted stream: its last op's dtype)
-        returned = delivered.get(path) if delivered.get(path, row.output_dtype) != row.output_dtype else None
-        if (observed is None or (observed == row.compute_dtype and not follows)) and returned is None:
-            rows.append(row)
-            continue
-        changes: dict[str, Any] = {}
-        if observed in DTYPES and observed != row.compute_dtype:
-            changes["compute_dtype"] = observed
-        if path in delivered and (follows or returned):  # mixed compute ("float16+float32"): one output dtype
-            changes["output_dtype"] = delivered[path]
-        reason = row.note.split(" (")[0] if follows and row.note else row.note
-        said = [f"ran in {observed}"] if observed is not None and (observed != row.compute_dtype or follows) else []
-        said += [f"returned {returned}"] if returned and not follows else []
-        rows.append(with_note(row, join_notes(reason, "traced: " + ", ".join(said)) if said else reason, **changes))
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """One forward without gradients; the model's buffers and the RNG as they were before."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recording = self
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                recording.op(func.overloadpacket.__name__, out)
+                return out
+
+        amp, model = self.amp, self.amp.model
+        saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+        hooks = [nn.modules.module.register_module_forward_pre_hook(self.pre),
+                 nn.modules.module.register_module_forward_hook(self.post, always_call=True)]
+        rng_devices = [] if amp.device_type == "cpu" else None  # None: every device of that type
+        rng_type = "cuda" if amp.device_type == "cpu" else amp.device_type
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=rng_devices, device_type=rng_type), Recorder():
+                model(*args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    b.copy_(saved[n])
+
+    def observed(self, path: str) -> str | None:
+        """The dtype the module at ``path`` computed in (``a+b`` where its main ops ran in several)."""
+        if path in self.regions and not self.main.get(path):
+            return self.regions[path]
+        if self.main.get(path):
+            dtypes = set(self.main[path])
+            return self.main[path][0] if len(dtypes) == 1 else "+".join(sorted(dtypes))
+        return self.last.get(path)
+
+
+def _traced_row(row: Any, rec: _Recording, realisation: Any) -> Any:
+    """``row`` as the recorded forward ran it: its compute dtype, what it returned, a note saying so."""
+    path = row.path
+    if path not in rec.ran:
+        return row if path in realisation.bypassed else not_run(row)  # its parent uses it
+    if path not in rec.acted:  # an eval-mode Dropout returns its input: nothing was observed
+        return with_note(row, join_notes(row.note, NO_OP))
+    row = _other_ops(row, rec.ops.get(path, {}))
+    observed = rec.observed(path)
+    follows = path in realisation.input_following
+    # what the module returned (a container carrying a promoted stream: its last op's dtype)
+    delivered = rec.delivered
+    returned = delivered.get(path) if delivered.get(path, row.output_dtype) != row.output_dtype else None
+    if (observed is None or (observed == row.compute_dtype and not follows)) and returned is None:
+        return row
+    changes: dict[str, Any] = {}
+    if observed in DTYPES and observed != row.compute_dtype:
+        changes["compute_dtype"] = observed
+    if path in delivered and (follows or returned):  # mixed compute ("float16+float32"): one output dtype
+        changes["output_dtype"] = delivered[path]
+    reason = row.note.split(" (")[0] if follows and row.note else row.note
+    said = [f"ran in {observed}"] if observed is not None and (observed != row.compute_dtype or follows) else []
+    said += [f"returned {returned}"] if returned and not follows else []
+    return with_note(row, join_notes(reason, "traced: " + ", ".join(said)) if said else reason, **changes)
+
+
+def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    # amp: the TorchAmp (whose trace() calls this; apply imports this room, not the other way)
+    rec = _Recording(amp)
+    rec.run(args, kwargs)
+    rows = [_traced_row(row, rec, amp._realisation) for row in amp.plan.rows]
     traced = Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
                   amp.plan.notes + ("traced: compute dtypes observed in one forward",))
-    idle = idle_rules(traced, ran)
+    idle = idle_rules(traced, rec.ran)
     return replace(traced, notes=traced.notes + tuple(idle)) if idle else traced
 
 
