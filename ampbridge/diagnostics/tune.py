@@ -497,4 +497,10 @@ class StepCycle:
                 break
         if not taken:
             raise ValueError("tune needs at least one batch; the data gave none")
+        for i, batch in enumerate(taken):  # every backend's loop unpacks (inputs, target)
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+                raise TypeError(f"tune's batches are (inputs, target) pairs; batch {i} is a {type(batch).__name__}"
+                                f"{size} (inputs may be a tuple of model arguments; loss_fn(outputs, target) "
+                                "computes the loss)")
         return cls(steps, [taken[i % len(taken)] for i in range(steps)])

@@ -108,6 +108,18 @@ def test_bad_arguments_are_refused_by_name():
         tune_policy(ampbridge.loads('compute_dtype = "float16"\n[[phase]]\nuntil_step = 2\n'), run, steps=4)
 
 
+def test_batches_that_are_not_pairs_are_refused_in_one_line():
+    import pytest
+
+    from ampbridge.diagnostics.tune import StepCycle
+
+    assert StepCycle.of([(1, 2), [3, 4]], 3).batches == [(1, 2), [3, 4], (1, 2)]
+    with pytest.raises(TypeError, match=r"^tune's batches are \(inputs, target\) pairs; batch 1 is a tuple of length 3 "):
+        StepCycle.of([(1, 2), (1, 2, 3)], 2)
+    with pytest.raises(TypeError, match="batch 0 is a str "):
+        StepCycle.of(["tokens"], 1)
+
+
 PHASED = """compute_dtype = "float16"
 keep_float32 = ["l9"]
 [[phase]]
