@@ -58,6 +58,17 @@ def float8_support(device: Device, framework: str = "torch") -> str:
     return "unknown (ampbridge does not know this platform's float8 units)"
 
 
+def emulation_note(device: Device, framework: str) -> str:
+    """What a float8 Plan row's ``fp8_by`` adds on ``device``: " (emulated)" where its float8 matmuls
+    are not native there (:func:`float8_support`), else nothing.
+
+    Example:
+        >>> emulation_note(Device("cpu"), "jax"), emulation_note(Device("cuda", capability=(9, 0)), "jax")
+        (' (emulated)', '')
+    """
+    return "" if float8_support(device, framework).startswith("native") else " (emulated)"
+
+
 def _torch() -> dict[str, Any]:
     import torch
 

@@ -91,7 +91,7 @@ def test_delayed_scaling_trains_bit_identical_to_flax_fp8_ops(match, names):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_params), jax.tree.leaves(expected_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
     plan = amp.plan(data[0][0])
-    assert {r.path for r in plan if r.fp8} == set(names) and plan["fc2"].fp8_by == "Flax fp8_ops"
+    assert {r.path for r in plan if r.fp8} == set(names) and plan["fc2"].fp8_by == "Flax fp8_ops (emulated)"
     # the scales follow the reference: the input history of fc2 replays to its scale
     meta = got_params[fp8_ops.OVERWRITE_WITH_GRADIENT]["fc2"][OP]
     history = [float(v) for v in np.asarray(meta["input_amax_history"])]
@@ -107,6 +107,17 @@ def test_amax_history_is_carried():
     assert v[fp8_ops.OVERWRITE_WITH_GRADIENT]["fc1"][OP]["input_amax_history"].shape == (16,)
     native = Net(fp8=("fc1",), dtype=jnp.bfloat16, history=16)
     assert jax.tree.structure(native.init(jax.random.key(0), x)) == jax.tree.structure(v)
+
+
+def test_the_float8_row_says_emulated_only_where_the_device_has_no_float8_units(monkeypatch):
+    from ampbridge.backends.jax import environment
+    from ampbridge.diagnostics.hardware import Device
+
+    x = batches(1)[0][0]
+    amp = abj.apply(Net(), DELAYED.replace(fp8=Fp8Config(("fc1",))))
+    assert amp.plan(x)["fc1"].fp8_by == "Flax fp8_ops (emulated)"  # this CPU
+    monkeypatch.setattr(environment, "_device", lambda: Device("cuda", capability=(9, 0)))
+    assert abj.apply(Net(), DELAYED.replace(fp8=Fp8Config(("fc1",)))).plan(x)["fc1"].fp8_by == "Flax fp8_ops"
 
 
 @pytest.mark.parametrize("fp8,says", [

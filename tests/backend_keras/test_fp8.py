@@ -73,7 +73,7 @@ def test_delayed_scaling_trains_bit_identical_to_keras_quantize_float8(match, fi
     for a, b in zip(mine.weights, native.weights):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), err_msg=a.path)
     plan = ak.plan(mine, DELAYED.replace(fp8=DELAYED.fp8.replace(match=match)))
-    assert {r.path for r in plan if r.fp8} == fp8_layers and plan["fc2"].fp8_by == "Keras float8 quantize"
+    assert {r.path for r in plan if r.fp8} == fp8_layers and plan["fc2"].fp8_by == "Keras float8 quantize (emulated)"
 
 
 def test_the_scales_follow_the_reference_trajectory():
@@ -145,3 +145,13 @@ def test_the_reference_step_is_keras_quantizers(history, amax, fmt, divisor):
     got = delayed_step(state, amax, fmt, flush_denormals=keras.backend.backend() != "torch")
     np.testing.assert_array_equal(np.float32(got.divisor), keras.ops.convert_to_numpy(new_scale))
     np.testing.assert_array_equal(np.float32(got.history), keras.ops.convert_to_numpy(new_history))
+
+
+def test_the_float8_row_says_emulated_only_where_the_device_has_no_float8_units(monkeypatch):
+    from ampbridge.backends.keras import environment
+    from ampbridge.diagnostics.hardware import Device
+
+    policy = DELAYED.replace(fp8=DELAYED.fp8.replace(match=("fc2",)))
+    assert ak.plan(pair(("fc2",), "fc2")[0], policy)["fc2"].fp8_by == "Keras float8 quantize (emulated)"  # this CPU
+    monkeypatch.setattr(environment, "device", lambda: Device("cuda", capability=(9, 0)))
+    assert ak.plan(pair(("fc2",), "fc2")[0], policy)["fc2"].fp8_by == "Keras float8 quantize"

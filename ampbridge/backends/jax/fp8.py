@@ -37,7 +37,11 @@ def mark_rows(plan: Plan) -> Plan:
     """``plan`` with each float8 row's ``fp8_by`` filled in."""
     if not any(r.fp8 for r in plan.rows):
         return plan
-    return replace(plan, rows=tuple(replace(r, fp8_by=REALISED_BY) if r.fp8 else r for r in plan.rows))
+    from ...diagnostics.doctor import emulation_note
+    from .environment import _device
+
+    by = REALISED_BY + emulation_note(_device(), "jax")
+    return replace(plan, rows=tuple(replace(r, fp8_by=by) if r.fp8 else r for r in plan.rows))
 
 
 def check(policy: Policy) -> None:

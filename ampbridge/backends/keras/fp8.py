@@ -36,7 +36,11 @@ def mark_rows(plan: Plan) -> Plan:
     """``plan`` with each float8 row's ``fp8_by`` filled in."""
     if not any(r.fp8 for r in plan.rows):
         return plan
-    return replace(plan, rows=tuple(replace(r, fp8_by=REALISED_BY) if r.fp8 else r for r in plan.rows))
+    from ...diagnostics.doctor import emulation_note
+    from .environment import device
+
+    by = REALISED_BY + emulation_note(device(), keras.backend.backend())
+    return replace(plan, rows=tuple(replace(r, fp8_by=by) if r.fp8 else r for r in plan.rows))
 
 
 def _is_float8(layer: Any) -> bool:
