@@ -165,6 +165,20 @@ def deepspeed_fp16() -> bool:
 
 # --- the differential fuzzers' example counts (tests/**/test_fuzz*.py; `make fuzz` sets AMPBRIDGE_FUZZ=1) ---
 
+def tune_batches(n: int = 4) -> list:
+    """``n`` float32 ``(x, tanh(x @ w))`` regression batches of 16 x 4 (NumPy, seed 1): the data the
+    Keras, tf.keras 2 and Flax ``tune`` tests train on (torch's draws the same shapes from torch's RNG)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4, 1)).astype("float32")
+    out = []
+    for _ in range(n):
+        x = rng.standard_normal((16, 4)).astype("float32")
+        out.append((x, np.tanh(x @ w)))
+    return out
+
+
 def fuzzing() -> bool:
     """Whether this run is a fuzzing run (``AMPBRIDGE_FUZZ`` set to anything but ``""`` or ``0``)."""
     return os.environ.get("AMPBRIDGE_FUZZ", "") not in ("", "0")

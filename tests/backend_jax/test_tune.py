@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ampbridge._testing import require
+from ampbridge._testing import require, tune_batches
 
 jax = require("jax")
 nn = require("flax.linen")
@@ -37,14 +37,7 @@ class Model(nn.Module):
         return nn.Dense(1, name="head")(jnp.tanh(x))
 
 
-def _data(n=4):
-    rng = np.random.default_rng(1)
-    w = rng.standard_normal((4, 1)).astype("float32")
-    out = []
-    for _ in range(n):
-        x = rng.standard_normal((16, 4)).astype("float32")
-        out.append((x, np.tanh(x @ w)))
-    return out
+_data = tune_batches
 
 
 def _loss(out, target):
