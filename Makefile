@@ -67,7 +67,7 @@ test-core: $(CORE_VENV)/.stamp  ## the framework-free core suite only (about a m
 # Keras picks its backend once per process, so its tests run again under JAX and torch; tf.keras 2
 # (tf_keras) needs TF_USE_LEGACY_KERAS=1 before TensorFlow resolves tf.keras: its own process too.
 test-all: $(VENV)/.stamp  ## every backend's suite, Keras under TensorFlow, JAX and torch, and tf.keras 2
-	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q --durations=25
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q tests/backend_keras
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q tests/backend_keras
 	AMPBRIDGE_REQUIRE=all TF_USE_LEGACY_KERAS=1 $(VENV)/bin/python -m pytest -q tests/backend_tf_keras

@@ -341,6 +341,12 @@ class _Writer(_Findings):
                           f"{self.fmt} does not")
         return Conversion(result, tuple(self.losses), tuple(self.notes), "ampbridge", self.fmt)
 
+    def loss_scale_only(self, given: Policy | LossScaleConfig, tool: str) -> None:
+        """A format that holds the loss scale only: what else a whole policy sets is named as lost."""
+        if isinstance(given, Policy):
+            self.common(tool, pins_reason=f"{tool} holds the loss scale only; ampbridge's apply with the policy "
+                        "file realises the layers' settings")
+
     # the settings most targets cannot hold at all
     def common(self, tool: str, *, pins: bool = False, matmul: bool = False, pins_reason: str = "",
                fp8: bool = False) -> None:

@@ -89,6 +89,7 @@ def to_flax(policy: Policy | LossScaleConfig) -> Conversion:
     """
     p = _policy_of(policy, "to_flax")
     w = _Writer("flax", p)
+    w.loss_scale_only(policy, "Flax DynamicScale")
     ls = p.resolved_loss_scale
     view = loss_scale_view(p.loss_scale, p.compute_dtype)
     skip = "skip it (jnp.where(is_fin, new, old))" if ls.skip_nonfinite else "apply it anyway"

@@ -92,5 +92,6 @@ def to_grad_scaler(policy: Policy | LossScaleConfig) -> Conversion:
     """
     p = _policy_of(policy, "to_grad_scaler")
     w = _Writer("grad-scaler", p)
+    w.loss_scale_only(policy, "GradScaler")
     args = _write_grad_scaler_args(w, p, "torch")
     return w.done(args)

@@ -52,6 +52,7 @@ def to_optax(policy: Policy | LossScaleConfig) -> Conversion:
     """
     p = _policy_of(policy, "to_optax")
     w = _Writer("optax", p)
+    w.loss_scale_only(policy, "optax")
     view = loss_scale_view(p.loss_scale, p.compute_dtype if p.compute_dtype != "auto" else "float32")
     if view["mode"] != "none":
         w.loss("loss_scale.mode", view["mode"], "optax's apply_if_finite scales no loss; use "

@@ -63,9 +63,15 @@ def from_tf_keras_loss_scale_optimizer(config: Mapping[str, Any], *, _source: st
     steps = _get_int(r, config, "dynamic_growth_steps", (), 2000, low=1, what="an integer >= 1")
     r.origins.update({"loss_scale.initial_scale": "initial_scale", "loss_scale.growth_interval": "dynamic_growth_steps",
                       "loss_scale.min_scale": "Keras 2's floor"})
-    r.note(_FLOOR_NOTE)
+    floor = 1.0
+    if isinstance(init, float) and 0 < init < 1.0:  # Keras 2 accepts it; its first backoff raises the scale to 1
+        floor = init
+        r.loss("initial_scale", init, "below Keras 2's floor of 1: Keras 2's first backoff raises the scale to 1, "
+               "ampbridge's min_scale cannot exceed the initial scale (read as min_scale = initial_scale)")
+    else:
+        r.note(_FLOOR_NOTE)
     cfg = _construct(r, lambda: LossScaleConfig(mode="dynamic", initial_scale=init, growth_interval=steps,
-                                                min_scale=1.0))
+                                                min_scale=floor))
     return r.done(cfg, ("loss_scale",))
 
 
@@ -140,6 +146,9 @@ def to_tf_keras(policy: Policy) -> Conversion:
     w.losses.extend(l for l in base.losses if not l.setting.startswith("loss_scale"))
     w.notes.extend(n for n in base.notes if "2**127" not in n and "loss_scale_factor" not in n)
     name = base.result["dtype_policy"]
+    if policy.fp8.enabled or any(ph.policy.fp8.enabled for ph in policy.phases):
+        w.loss("fp8", policy.fp8.to_dict(), "tf.keras 2 has no float8 training (Keras 3's quantize(\"float8\") "
+               "does): the [fp8] layers would run in the compute dtype")
     ls, view = policy.resolved_loss_scale, loss_scale_view(policy.loss_scale, policy.compute_dtype)
     lso = None
     if view["mode"] == "dynamic":
@@ -149,6 +158,9 @@ def to_tf_keras(policy: Policy) -> Conversion:
                 w.loss(f"loss_scale.{key}", getattr(ls, key), f"Keras 2's LossScaleOptimizer fixes it at {text}")
         if ls.hysteresis > 1:
             w.loss("loss_scale.hysteresis", ls.hysteresis, "Keras 2 backs off on every overflow (no hysteresis)")
+        if ls.initial_scale < 1.0:
+            w.loss("loss_scale.initial_scale", ls.initial_scale, "Keras 2's first backoff raises a scale below 1 "
+                   "to 1 (its floor)")
         if ls.min_scale != 1.0:
             w.loss("loss_scale.min_scale", ls.min_scale, "Keras 2 halves the scale down to 1 and no further")
         if ls.max_scale is not None:

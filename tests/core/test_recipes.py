@@ -548,3 +548,17 @@ def test_grad_scaler_factors_torch_applies_as_doubles_are_a_loss_naming_where_th
     assert settings(c) == ["grad_scaler_kwargs.growth_factor"]
     assert "growth number 7 (127711.1328125 in torch, 127711.140625 here)" in c.losses[0].reason
     assert recipes.from_grad_scaler({"growth_factor": 1.5, "backoff_factor": 0.25}).exact  # float32 numbers
+
+
+@pytest.mark.parametrize("fmt", ["grad-scaler", "optax", "flax"])
+def test_loss_scale_only_formats_name_the_rest_of_a_policy_as_lost(fmt):
+    """GradScaler, optax and DynamicScale arguments hold the loss scale only: a whole policy's pins and
+    [fp8] table are named as lost (they used to be dropped without a word, --strict passing)."""
+    from ampbridge.core.policy import Fp8Config
+
+    p = Policy(compute_dtype="float16", keep_float32=("kind:norm",), fp8=Fp8Config(match=("kind:linear",)))
+    lost = {loss.setting for loss in recipes.write(p, fmt).losses}
+    assert {"fp8", "keep_float32"} <= lost
+    # a bare LossScaleConfig is the loss scale alone: nothing else to lose
+    only = recipes.write(LossScaleConfig(mode="dynamic"), fmt).losses
+    assert not {loss.setting for loss in only} & {"fp8", "keep_float32"}
