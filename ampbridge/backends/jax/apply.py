@@ -203,7 +203,9 @@ class Applied:
             nn = _linen()
             recorder.top_trace = _trace_state()
             with nn.intercept_methods(recorder):
-                return self.module.apply(variables, *args, **apply_kw, **kwargs)
+                # mutable: collections the variables lack (a params-only checkpoint of a model whose [fp8]
+                # layers keep scales in _overwrite_with_gradient) are created in the trace, not an error
+                return self.module.apply(variables, *args, **{"mutable": True, **apply_kw}, **kwargs)
 
         with gc_paused():
             jax.eval_shape(run)

@@ -182,6 +182,10 @@ def _own_param_count(module: Any) -> int:
     return sum(int(np.prod(np.shape(v))) for v in jax.tree_util.tree_leaves(own))
 
 
+#: Flax's float8 dot_general modules; under a float8 row they are ampbridge's realisation of it
+_FP8_OPS = frozenset({"Fp8DirectDotGeneralOp", "Fp8Einsum", "Fp8DotGeneralOp"})
+
+
 class _LinenInterceptor:
     """The method interceptor: every module method runs in its Plan row's dtypes.
 
@@ -216,6 +220,8 @@ class _LinenInterceptor:
         module = context.module
         _, chain, _, kind_source = _linen_entry(module, self.chains)
         path, kind, class_name, fixed = chain[-1]
+        if class_name in _FP8_OPS and len(chain) > 1 and self.resolver.row(chain[:-1]).fp8:
+            return next_fun(*args, **kwargs)  # the float8 op ampbridge put under a float8 row: not a layer of its own
         if self.record is not None and path not in self.record:
             self.record[path] = (kind, class_name, _facts(module, kind_source)._replace(fixed=fixed))
         if self.fixed is not None:

@@ -68,7 +68,9 @@ class DemoModel(keras.Model):
         self.norm = layers.LayerNormalization(epsilon=c.norm_eps, name="norm")
         self.head = layers.Dense(c.vocab, name="head")
 
-    def call(self, tokens):
+    def call(self, tokens, training=None):
+        # `training` declared: Keras hands it down to the layers only through a call that takes it, and
+        # its float8 layers update their scales only when training (without it they stay at 1, silently)
         return self.head(self.norm(self.block(self.embed(tokens))))
 
 

@@ -74,6 +74,27 @@ def _trajectory_table(runs: dict[str, Any], steps: int) -> str:
     return render_table(("step", *[f"scale ({n})" for n in names]), rows)
 
 
+def _fp8_table(runs: dict[str, Any]) -> str:
+    """The float8 scale (divisor) of the followed tensor after each step, framework by framework, and
+    where the frameworks part (the scales come from amaxes of activations that differ in their last bits)."""
+    from .runners import FP8_ROW
+
+    names = [n for n, r in runs.items() if r.fp8_divisors]
+    steps = min(len(runs[n].fp8_divisors) for n in names)
+    rows = []
+    for i in range(steps):
+        values = [runs[n].fp8_divisors[i] for n in names]
+        rows.append((str(i), *[f"{v:.9g}" for v in values], "yes" if len(set(values)) == 1 else "no"))
+    same = next((i for i in range(steps) if rows[i][-1] == "no"), steps)
+    head = (f"== float8: {FP8_ROW}'s input scale after each step (the divisor: x / scale is cast to e4m3; "
+            f"delayed scaling, from the amax history)")
+    tail = (f"identical in {', '.join(names)} for all {steps} steps" if same == steps else
+            f"identical in {', '.join(names)} for steps 0-{same - 1}; they part at step {same}" if same else
+            f"the frameworks differ from step 0")
+    return "\n".join([textwrap.fill(head, 120, subsequent_indent="   "),
+                      render_table(("step", *names, "same"), rows), tail])
+
+
 def semantic_differences(first: Plan, other: Plan, promoted: frozenset[str]) -> tuple[list[str], list[str]]:
     """(differences, rows that differ only by the frameworks' own semantics): the output dtype of a
     torch row in ``promoted`` (its own code carries a promoted stream on, where Keras and Flax cast
@@ -219,6 +240,9 @@ def run_demo(args: argparse.Namespace) -> int:
     print("== loss scale (the steps where something happens)")
     print(_trajectory_table(runs, args.steps))
     print()
+    if sum(1 for r in runs.values() if r.fp8_divisors) >= 1:
+        print(_fp8_table(runs))
+        print()
     _print_finals(runs, frameworks)
     # 40 tiny steps time nothing reliably (ratios swung 0.8-5.5x between two runs): make bench measures
     # them interleaved against native AMP, with medians and their spread

@@ -43,10 +43,19 @@ class Run:
     final_state: LossScaleState | None = None
     phases: list[int | None] = field(default_factory=list)  # the phase in force at each step
     promoted: frozenset[str] = frozenset()  # torch rows whose own code carries a promoted stream on
+    fp8_divisors: list[float] = field(default_factory=list)  # FP8_ROW's input divisor after each step
 
     @property
     def final_loss(self) -> float:
         return next((x for x in reversed(self.losses) if math.isfinite(x)), float("nan"))
+
+
+#: the float8 tensor the demo follows: the first linear layer's input (after a float32 norm)
+FP8_ROW = "block.attn.query"
+
+
+def _fp8_on(policy: Policy) -> bool:
+    return policy.fp8.enabled or any(ph.policy.fp8.enabled for ph in policy.phases)
 
 
 def _tick(progress: Progress | None, i: int) -> None:
@@ -113,6 +122,7 @@ def run_torch(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
 
 def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
               progress: Progress | None = None, jit_compile: bool | str = "auto") -> Run:
+    import keras
     import numpy as np
 
     inject = set(inject)
@@ -120,6 +130,7 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
     data = batches(steps)
     model, opt = _keras_model(policy, run, seed=seed, native=native)
     model.compile(optimizer=opt, loss=_keras_loss(), jit_compile=jit_compile)
+    fp8_layer = _keras_fp8_layer(model) if _fp8_on(policy) and not native else None
     if policy.phases and not native:
         return _keras_fit_schedule(policy, run, model, opt, data, inject, progress)
     for i, (x, y) in enumerate(data):
@@ -131,6 +142,8 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
         run.step_seconds.append(time.perf_counter() - t0)
         run.losses.append(math.nan if i in inject else float(logs["loss"]))
         run.scales.append(used)
+        if fp8_layer is not None:
+            run.fp8_divisors.append(float(keras.ops.convert_to_numpy(fp8_layer.inputs_scale)))
         if native:
             run.skipped.append(_keras_scale(opt, native) < used)
         else:
@@ -139,6 +152,14 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
     if not native:
         run.final_state = opt.state
     return run
+
+
+def _keras_fp8_layer(model: Any) -> Any:
+    """The layer at FP8_ROW when Keras quantized it to float8, else None."""
+    import ampbridge.keras as ak
+
+    layer = dict(ak.walk(model)).get(FP8_ROW)
+    return layer if hasattr(layer, "inputs_scale") else None
 
 
 def _keras_loss() -> Any:
@@ -262,6 +283,50 @@ def _jax_stepper(policy: Policy, module: Any, params: Any, x0: Any) -> tuple[Any
     return tx.init(params), step_fixed
 
 
+def _jax_fp8_stepper(policy: Policy, module: Any, params: Any, x0: Any, run: Run) -> tuple[Any, Callable[..., Any]]:
+    """As :func:`_jax_stepper` for an [fp8] policy: Flax's float8 scales and amax histories live in the
+    ``_overwrite_with_gradient`` collection, which each step replaces by its "gradient" (what Flax's
+    ``TrainState.apply_gradients`` does); the optimizer updates the parameters only."""
+    import jax
+    import optax
+    from flax.linen import fp8_ops
+
+    import ampbridge.jax as abj
+
+    from ...errors import UnsupportedOptionError
+    from . import flax_model as fm
+
+    if policy.phases:
+        raise UnsupportedOptionError("the demo's Flax runner trains an [fp8] policy without phases (a phase that "
+                                     "turns FP8 on adds Flax variables mid-run); train it with ampbridge.jax.Schedule")
+    collection = fp8_ops.OVERWRITE_WITH_GRADIENT
+    amp = abj.apply(module, policy)
+    tx = abj.optimizer(optax.sgd(CONFIG.lr), policy)
+    meta = [amp.init(jax.random.key(0), x0)[collection]]
+
+    def train_step(params: Any, meta: Any, opt_state: Any, x: Any, y: Any, mult: Any) -> Any:
+        def loss_fn(p: Any, m: Any) -> Any:
+            loss = fm.loss_fn(amp.apply({"params": p, collection: m}, x), y)
+            return abj.scale_loss(loss * mult, opt_state), loss
+
+        (grads, new_meta), loss = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)(params, meta)
+        updates, new_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_meta, new_state, loss
+
+    jitted = jax.jit(train_step)
+
+    def step(params: Any, opt_state: Any, x: Any, y: Any, mult: Any) -> tuple[Any, Any, Any]:
+        params, meta[0], opt_state, loss = jitted(params, meta[0], opt_state, x, y, mult)
+        node = meta[0]
+        for name in FP8_ROW.split("."):
+            node = node[name]
+        op = next(v for v in node.values() if "input_scale" in v)  # the fp8 op under the layer
+        run.fp8_divisors.append(float(op["input_scale"].reshape(())))
+        return params, opt_state, loss
+
+    return tx.init(params), (lambda i, params, opt_state: (params, opt_state, step))
+
+
 def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int = 0, native: bool = False,
             progress: Progress | None = None) -> Run:
     import jax.numpy as jnp
@@ -281,7 +346,10 @@ def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int
     first = policy.at(step=0, epoch=0)
     params = abj.apply(module, first).cast_params(variables, x0)["params"]
     run.plan = abj.plan(module, first, x0, warn=False)
-    opt_state, step_at = _jax_stepper(policy, module, params, x0)
+    if _fp8_on(policy):
+        opt_state, step_at = _jax_fp8_stepper(policy, module, params, x0, run)
+    else:
+        opt_state, step_at = _jax_stepper(policy, module, params, x0)
     for i, (x, y) in enumerate(data):
         if policy.phases:
             run.phases.append(policy.phase_index(step=i))
