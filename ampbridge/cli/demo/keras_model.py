@@ -25,17 +25,19 @@ class SelfAttention(layers.Layer):
         for sub in (self.query, self.key, self.value, self.out):
             sub.build(input_shape)
 
-    def call(self, x):
+    def call(self, x, training=None):
         b, t = ops.shape(x)[0], ops.shape(x)[1]
         h, dh = self.heads, self.dim // self.heads
 
         def split(y):
             return ops.transpose(ops.reshape(y, (b, t, h, dh)), (0, 2, 1, 3))
 
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        q, k, v = (split(self.query(x, training=training)), split(self.key(x, training=training)),
+                   split(self.value(x, training=training)))
         scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) / math.sqrt(dh)
         attn = ops.softmax(scores, axis=-1)
-        return self.out(ops.reshape(ops.transpose(ops.matmul(attn, v), (0, 2, 1, 3)), (b, t, self.dim)))
+        return self.out(ops.reshape(ops.transpose(ops.matmul(attn, v), (0, 2, 1, 3)), (b, t, self.dim)),
+                        training=training)
 
 
 class Block(layers.Layer):
@@ -54,9 +56,9 @@ class Block(layers.Layer):
         self.mlp_in.build(input_shape)
         self.mlp_out.build(tuple(input_shape[:-1]) + (self.mlp_in.units,))
 
-    def call(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp_out(ops.relu(self.mlp_in(self.norm2(x))))
+    def call(self, x, training=None):
+        x = x + self.attn(self.norm1(x), training=training)
+        return x + self.mlp_out(ops.relu(self.mlp_in(self.norm2(x), training=training)), training=training)
 
 
 class DemoModel(keras.Model):
@@ -69,9 +71,9 @@ class DemoModel(keras.Model):
         self.head = layers.Dense(c.vocab, name="head")
 
     def call(self, tokens, training=None):
-        # `training` declared: Keras hands it down to the layers only through a call that takes it, and
-        # its float8 layers update their scales only when training (without it they stay at 1, silently)
-        return self.head(self.norm(self.block(self.embed(tokens))))
+        # `training` passed down by hand: Keras's float8 Dense updates its scales only when called with
+        # training=True, and Keras's call context does not always carry it there (never under JAX)
+        return self.head(self.norm(self.block(self.embed(tokens), training=training)), training=training)
 
 
 def build(seed: int = 0, config: Config = CONFIG) -> DemoModel:
