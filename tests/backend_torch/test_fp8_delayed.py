@@ -182,19 +182,21 @@ def test_eval_and_no_grad_forwards_store_nothing():
 def test_a_phase_turns_delayed_fp8_on_and_off_keeping_state_while_unchanged():
     torch.manual_seed(0)
     model = Net()
+    fp8 = '[phase.fp8]\nmatch = ["kind:linear"]\namax_history = 8\n'
     policy = ampbridge.loads('compute_dtype = "bf16"\n[[phase]]\nuntil_step = 2\n'
-                             '[[phase]]\nuntil_step = 4\n[phase.fp8]\nmatch = ["kind:linear"]\namax_history = 8\n'
-                             '[[phase]]\n[phase.fp8]\nmatch = ["kind:linear"]\namax_history = 8\nmargin = 2\n')
+                             f'[[phase]]\nuntil_step = 4\n{fp8}'
+                             f'[[phase]]\nuntil_step = 5\ncompute_dtype = "float32"\n{fp8}'  # fp8 unchanged
+                             f'[[phase]]\n{fp8}margin = 2\n')
     amp = abt.apply(model, policy)
     weight, kinds, histories = model.fc1.weight, [], []
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in _data(6):
+    for x, y in _data(7):
         kinds.append(type(model.fc1).__name__)
         histories.append(getattr(model.fc1, "input_amax_history", torch.zeros(8)).tolist())
         _train(amp, opt, [(x, y)])
-    assert kinds == ["Linear", "Linear"] + ["DelayedFloat8Linear"] * 4
-    assert histories[3][0] != 0.0  # step 3 kept step 2's state (same settings)
-    assert histories[4] == [0.0] * 8 and model.fc1.margin == 2  # step 4: new margin, fresh state
+    assert kinds == ["Linear", "Linear"] + ["DelayedFloat8Linear"] * 5
+    assert histories[4][-1] == histories[3][0] != 0.0 and histories[4][0] != 0.0  # step 4: kept, rolled on
+    assert histories[5] == [0.0] * 8 and model.fc1.margin == 2  # step 5: a new margin, fresh state
     assert model.fc1.weight is weight
     amp.set_step(0)
     assert type(model.fc1) is nn.Linear and model.fc1.weight is weight
@@ -206,3 +208,22 @@ def test_delayed_fp8_does_not_need_torchao():
             "assert 'torchao' not in sys.modules, 'imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_product_is_float32_on_dequantised_values_rounded_to_the_autocast_dtype():
+    """As torchao's emulate=True: float32 products of the float8 values, the output in the autocast dtype."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(32, 16), torch.randn(8, 32) * 3
+    layer = DelayedFloat8Linear.from_linear(copy.deepcopy(lin), amax_history=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+        out = layer(x * 2)  # step 2: divisors from step 1's amaxes
+
+    def fp8(t, d):
+        return (t / d).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * d
+
+    xq, wq = fp8(x * 2, layer.input_divisor), fp8(lin.weight.detach(), layer.weight_divisor)
+    expected = (xq @ wq.t()).to(torch.bfloat16) + lin.bias.detach().to(torch.bfloat16)
+    assert layer.input_divisor.item() != 1.0 and out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.equal(out, torch.nn.functional.linear(xq, wq) + lin.bias.detach().to(torch.bfloat16))
