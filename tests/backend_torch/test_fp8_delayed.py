@@ -227,3 +227,11 @@ def test_the_product_is_float32_on_dequantised_values_rounded_to_the_autocast_dt
     assert layer.input_divisor.item() != 1.0 and out.dtype == torch.bfloat16 and torch.equal(out, expected)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not torch.equal(out, torch.nn.functional.linear(xq, wq) + lin.bias.detach().to(torch.bfloat16))
+
+
+def test_the_modules_examples_run():
+    import doctest
+
+    from ampbridge.backends.torch import fp8_delayed
+
+    assert doctest.testmod(fp8_delayed).failed == 0
