@@ -229,6 +229,12 @@ def test_the_product_is_float32_on_dequantised_values_rounded_to_the_autocast_dt
         assert not torch.equal(out, torch.nn.functional.linear(xq, wq) + lin.bias.detach().to(torch.bfloat16))
 
 
+def test_a_state_cast_away_from_float32_is_refused_by_name():
+    layer = _layer(2).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="input_divisor/input_amax_history of a DelayedFloat8Linear are torch.bfloat16"):
+        layer(torch.ones(1, 1, dtype=torch.bfloat16))
+
+
 def test_the_modules_examples_run():
     import doctest
 

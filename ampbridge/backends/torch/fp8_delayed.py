@@ -94,9 +94,12 @@ class _Matmul(torch.autograd.Function):
         layer, (x_shape, x_dtype) = ctx.layer, ctx.x_meta
         g = grad.reshape(-1, grad.shape[-1])
         gq = qdq(g, layer.advance("grad_output", g, store=True), FORMATS[layer.backward_format])
+        grad_x = grad_w = None
         with torch.autocast(grad.device.type, enabled=False):
-            grad_x = (gq @ wq).to(grad.dtype).to(x_dtype).reshape(x_shape)
-            grad_w = (gq.t() @ xq).to(grad.dtype).to(ctx.w_dtype)
+            if ctx.needs_input_grad[0]:
+                grad_x = (gq @ wq).to(grad.dtype).to(x_dtype).reshape(x_shape)
+            if ctx.needs_input_grad[1]:
+                grad_w = (gq.t() @ xq).to(grad.dtype).to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None
 
 
@@ -143,6 +146,10 @@ class DelayedFloat8Linear(nn.Linear):
         """This step's divisor for ``name`` (from the history before it); with ``store`` it is kept and
         ``tensor``'s amax recorded."""
         divisor, history = getattr(self, f"{name}_divisor"), getattr(self, f"{name}_amax_history")
+        if divisor.dtype != torch.float32 or history.dtype != torch.float32:  # e.g. after model.to(torch.bfloat16)
+            raise TypeError(f"{name}_divisor/{name}_amax_history of a DelayedFloat8Linear are {divisor.dtype}/"
+                            f"{history.dtype}; the float8 state must stay torch.float32 (cast the parameters only, "
+                            f"or let the policy's param_dtype do it)")
         fmt = self.backward_format if name == "grad_output" else self.forward_format
         new = next_divisor(divisor, history, torch.finfo(FORMATS[fmt]).max, self.margin, self.amax_compute)
         if store:
