@@ -25,7 +25,8 @@ Every arithmetic step is rounded to float32 (:func:`ampbridge.core.loss_scale.f3
 operation on float32 operands rounded once to float32 is the correctly rounded float32 result).
 ``flush_denormals`` (the default) computes as XLA and TensorFlow do on CPU and GPU, with float32
 subnormals as zero (an amax below 2**-126 keeps the divisor; a divisor that would be subnormal is
-0): Flax, and Keras on its JAX and TensorFlow backends. Keras on the torch backend computes with
+0): Flax, and Keras on its JAX and TensorFlow backends. Keras on the torch backend, and ampbridge's
+own torch delayed scaling (``backends.torch.fp8_delayed``, which quantizes as Flax does), compute with
 subnormals (``flush_denormals=False``); the two differ only for amaxes below 2**-126 or above
 about 2**118 (e4m3).
 

@@ -79,8 +79,9 @@ def _torch() -> dict[str, Any]:
     matmul = (f"float32 matmul precision {torch.get_float32_matmul_precision()!r}; "
               f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
               f"cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}")
-    fp8 = ("[fp8]: torchao Float8Linear" if importlib.util.find_spec("torchao") else
-           "[fp8]: refused (torchao is not installed: pip install ampbridge[torch-fp8])")
+    current = ("torchao Float8Linear" if importlib.util.find_spec("torchao") else
+               "refused (torchao is not installed: pip install ampbridge[torch-fp8])")
+    fp8 = f"[fp8]: {current} for current scaling; ampbridge delayed scaling (emulated) for delayed"
     return {"version": torch.__version__, "devices": devices, "matmul": matmul, "float8": ("torch", fp8)}
 
 

@@ -14,7 +14,8 @@ from ampbridge.backends.torch import fp8 as torch_fp8  # noqa: E402
 def test_cpu_is_emulated():
     text = doctor(["torch"])
     cpu = next(line for line in text.splitlines() if line.startswith("cpu ") and "flags" not in line)
-    assert cpu.rstrip().endswith("emulated") and "[fp8]: torchao Float8Linear" in text
+    assert cpu.rstrip().endswith("emulated") and "[fp8]: torchao Float8Linear for current scaling" in text
+    assert "ampbridge delayed scaling (emulated) for delayed" in text
     assert torch_fp8.realised_by("cpu") == "torchao Float8Linear (emulated)"
 
 
@@ -28,3 +29,4 @@ def test_cuda_capability_decides(monkeypatch, capability, native):
     assert ("native (torchao: torch._scaled_mm)" in row) is native
     assert ("(emulated)" in torch_fp8.realised_by("cuda")) is not native
     assert "(emulated)" in torch_fp8.realised_by("cpu")
+    assert torch_fp8.realised_by("cuda", "delayed") == "ampbridge delayed scaling (emulated)"  # no float8 GEMM
