@@ -193,7 +193,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     ``model = ampbridge.tf_keras.apply(model, policy)``, then compile. A model not built yet (a
     subclassed one before its first call) is changed in place and returned. Refused by name: a built
     subclassed model, a compiled model (its optimizer holds the old variables), a parameter dtype
-    pair Keras 2 has no policy for, and a per-layer ``output_dtype``.
+    pair Keras 2 has no policy for, a per-layer ``output_dtype``, and an ``[fp8]`` table (no float8).
 
     Example:
         >>> import ampbridge, tf_keras
@@ -212,6 +212,10 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         raise UnsupportedOptionError("ampbridge.tf_keras.apply on a compiled model: its optimizer holds the "
                                      "old variables; apply the policy first, then compile the model it returns")
     policy, _ = resolve_policy(policy, warn=warn)
+    if policy.fp8.enabled or any(ph.policy.fp8.enabled for ph in policy.phases):
+        raise UnsupportedOptionError(
+            "[fp8] is not realised on tf.keras 2: Keras 2 has no float8 training (Keras 3's quantize(\"float8\") "
+            "does: ampbridge.keras); remove the [fp8] table for tf.keras 2")
     active = _phase0(policy)
     set_matmul_precision(active.matmul_precision)
     described, by_path = _describe(model)

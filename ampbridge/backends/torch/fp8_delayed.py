@@ -161,7 +161,12 @@ class DelayedFloat8Linear(nn.Linear):
         device = input.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else input.dtype
         store = self.training and torch.is_grad_enabled()  # a no_grad or eval forward moves no state
-        out = _Matmul.apply(input, self.weight, self, out_dtype, store)
+        weight = self.weight
+        if torch.is_autocast_enabled(device):
+            # the operands in the compute dtype before their amax and quantization, as Keras's float8 Dense
+            # and Flax's Dense (promote_dtype) take them, and torchao its input: the same amaxes, hence scales
+            input, weight = input.to(out_dtype), weight.to(out_dtype)
+        out = _Matmul.apply(input, weight, self, out_dtype, store)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:

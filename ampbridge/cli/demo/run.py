@@ -23,6 +23,7 @@ from typing import Any
 from ...core import io as _io
 from ...core.plan import Plan, build_plan, layers_from_data
 from ...core.table import render_table
+from ...errors import UnsupportedOptionError
 from ..common import EXAMPLES, InputError, UsageError, defaults_notes
 
 # what each framework's demo run imports (jmp only for the tests' native jmp run, not here)
@@ -232,7 +233,13 @@ def run_demo(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for fw in frameworks:
-            runs[fw] = RUNNERS[fw](policy, args.steps, inject, progress=_Bar(fw, args.steps))
+            try:
+                runs[fw] = RUNNERS[fw](policy, args.steps, inject, progress=_Bar(fw, args.steps))
+            except UnsupportedOptionError as e:  # a framework that cannot realise a setting says so, by name
+                print(textwrap.fill(f"  {fw:<26} not trained: {e}", 120, subsequent_indent=" " * 29), flush=True)
+    if not runs:
+        raise InputError(f"{path.name}: no installed framework realises this policy (see above)")
+    frameworks = [fw for fw in frameworks if fw in runs]
 
     print()
     print(_side_by_side({fw: r.plan for fw, r in runs.items()}, runs["torch"].promoted if "torch" in runs else frozenset()))

@@ -110,6 +110,9 @@ def run_torch(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
         run.losses.append(math.nan if i in inject else float(loss))
         run.scales.append(float(used))
         run.skipped.append(not applied)
+        followed = None if native else dict(amp.model.named_modules()).get(FP8_ROW)
+        if hasattr(followed, "input_divisor"):  # ampbridge's delayed-scaling float8 Linear
+            run.fp8_divisors.append(float(followed.input_divisor))
         _tick(progress, i)
     if not native:
         run.final_state = amp.scaler.loss_scale_state()
