@@ -1,8 +1,5 @@
 """flax.linen: the method interceptor that runs every module call in its Plan row's dtypes, the
 planning memo (a repeated leaf call traced once), and the linen Plan.
-
-Holds: Observed, _LinenInterceptor, _linen_plan, _linen_entry, _attributes, _call_key, _Memo,
-_own_param_counts, _param_paths, _keep_state_dtypes, _needs_classes, _is_frozen, _trace_state.
 """
 
 from __future__ import annotations
@@ -216,12 +213,7 @@ class _LinenInterceptor:
         module = context.module
         _, chain, _, kind_source = _linen_entry(module, self.chains)
         path, kind, class_name, fixed = chain[-1]
-        if self.record is not None and path not in self.record:
-            self.record[path] = (kind, class_name, _facts(module, kind_source)._replace(fixed=fixed))
-        if self.fixed is not None:
-            self.fixed[path] = fixed
-        if self.memo is not None and (not self.modules or self.modules[-1] is not module):
-            self.entered += 1
+        self._note(module, path, kind, class_name, fixed, kind_source)
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
         if self.record is not None:
@@ -243,10 +235,7 @@ class _LinenInterceptor:
         inputs_bad = _inputs_bad((args, kwargs), edge)
         key = None
         if self.memo is not None and not outermost and watch is None and edge is None and self.observer is None:
-            with _attributes(module, **attrs):
-                key = _call_key(module, context.method_name, args, kwargs, row)
-            if key is not None and (self.top_trace is None or _trace_state() != self.top_trace):
-                key = None  # inside a lifted transform (another trace, other shapes), or cannot tell
+            key = self._memo_key(module, context.method_name, args, kwargs, row, attrs)
             hit = self.memo.get(key) if key is not None else None
             if hit is not None:
                 self.memo_params[path] = hit.params
@@ -258,6 +247,41 @@ class _LinenInterceptor:
         if watch is not None and watch[1]:
             args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
         entered = self.entered
+        out = self._run(next_fun, args, kwargs, module, path, row, attrs, outermost)
+        # the model's own call delivers the policy's output_dtype (the root row says so)
+        out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
+        if key is not None and self.entered == entered:  # a leaf call: no other module ran inside it
+            self.memo[key] = _Memo(out, _own_param_count(module))
+        if watch is not None:
+            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
+        out = _watch_edge(out, edge, inputs_bad)
+        _finished(self.resolver, path)
+        if self.observer is not None:
+            self._observe(module, path, class_name, context.method_name, args, kwargs, out)
+        return out
+
+    def _note(self, module: Any, path: str, kind: str, class_name: str, fixed: Any, kind_source: Any) -> None:
+        """What every call records, ``setup`` included: the module's facts, its fixed dtypes, and
+        whether another module than the caller's was entered (a memo hit needs a leaf call)."""
+        if self.record is not None and path not in self.record:
+            self.record[path] = (kind, class_name, _facts(module, kind_source)._replace(fixed=fixed))
+        if self.fixed is not None:
+            self.fixed[path] = fixed
+        if self.memo is not None and (not self.modules or self.modules[-1] is not module):
+            self.entered += 1
+
+    def _memo_key(self, module: Any, method: str, args: tuple, kwargs: dict, row: PlanRow,
+                  attrs: dict) -> Any:
+        # the key reads the module's config as this row runs it
+        with _attributes(module, **attrs):
+            key = _call_key(module, method, args, kwargs, row)
+        if key is not None and (self.top_trace is None or _trace_state() != self.top_trace):
+            return None  # inside a lifted transform (another trace, other shapes), or cannot tell
+        return key
+
+    def _run(self, next_fun: Callable, args: tuple, kwargs: dict, module: Any, path: str, row: PlanRow,
+             attrs: dict, outermost: bool) -> Any:
+        """The module's own call in the row's dtypes, with the stacks of calls in progress kept."""
         self.depth += 1
         if self.memo is not None:
             self.modules.append(module)
@@ -265,7 +289,7 @@ class _LinenInterceptor:
             self.calling.append(path)
         try:
             with _attributes(module, **attrs), fp8_call(module, dot_general_cls(module, row, self.resolver.policy)):
-                out = next_fun(*args, **kwargs)
+                return next_fun(*args, **kwargs)
         finally:
             self.depth -= 1
             if outermost:
@@ -274,21 +298,13 @@ class _LinenInterceptor:
                 self.calling.pop()
             if self.memo is not None:
                 self.modules.pop()
-        # the model's own call delivers the policy's output_dtype (the root row says so)
-        out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
-        if key is not None and self.entered == entered:
-            self.memo[key] = _Memo(out, _own_param_count(module))
-        if watch is not None:
-            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
-        out = _watch_edge(out, edge, inputs_bad)
-        _finished(self.resolver, path)
-        if self.observer is not None:
-            own = module.variables.get("params", {}) if module.scope is not None else {}
-            params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
-            self.observer(Observed(path, class_name, context.method_name,
-                                   _float_dtypes((args, kwargs)), _float_dtypes(params),
-                                   _float_dtypes(out)))
-        return out
+
+    def _observe(self, module: Any, path: str, class_name: str, method: str, args: tuple, kwargs: dict,
+                 out: Any) -> None:
+        own = module.variables.get("params", {}) if module.scope is not None else {}
+        params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
+        self.observer(Observed(path, class_name, method, _float_dtypes((args, kwargs)), _float_dtypes(params),
+                               _float_dtypes(out)))
 
 
 def _own_param_counts(params: Any) -> dict[str, int]:
