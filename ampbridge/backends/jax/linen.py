@@ -16,26 +16,26 @@ import numpy as np
 from ...core.matching import join_path
 from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
-from .cast import _cast_model_inputs, _cast_tree, _uncast_model_inputs
+from .cast import cast_model_inputs, cast_tree, uncast_model_inputs
 from .fp8 import check as check_fp8
 from .fp8 import dot_general_cls, fp8_call, mark_rows
-from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _floating, _is_float_array, _linen
+from .environment import DTYPES, FRAMEWORK, MATMUL_PRECISION, is_floating, is_float_array, linen_module
 from .layers import (
-    _class_name,
-    _dtype_name,
-    _Facts,
-    _facts,
-    _has_field,
-    _is_float_dtype_or_none,
-    _kind_and_source,
-    _kind_of,
-    _author_dtypes,
-    _carried,
-    _Resolver,
-    _row_notes,
+    class_name_of,
+    dtype_name,
+    Facts,
+    facts_of,
+    has_field,
+    is_float_dtype_or_none,
+    kind_and_source,
+    kind_of,
+    author_dtypes,
+    carried,
+    Resolver,
+    row_notes,
 )
-from .watch import (_edge, _finished, _inputs_bad, _watch, _watch_edge, _watch_inputs, _watch_output_gradients,
-                    _watch_outputs, _watched)
+from .watch import (edge_of, finished, nonfinite_inputs, watch_tree, watch_edge, watch_inputs, watch_output_gradients,
+                    watch_outputs, watched)
 
 
 def _linen_path(module: Any) -> str:
@@ -47,7 +47,7 @@ def _linen_entry(module: Any, cache: dict) -> tuple[Any, tuple, set[str], str | 
     module; chain: (path, kind, class, dtypes its author fixed) of the module and its ancestors,
     root first. ``cache`` (by ``id``, the module kept alive in its entry) spares recomputing the
     ancestors' part, and keeps what each hands down as first seen (before ampbridge set its dtype)."""
-    nn = _linen()
+    nn = linen_module()
     hit = cache.get(id(module))
     if hit is not None and hit[0] is module:
         return hit
@@ -62,15 +62,15 @@ def _linen_entry(module: Any, cache: dict) -> tuple[Any, tuple, set[str], str | 
             # as first seen, and as running now: only its own dtype changes while it runs (_attributes
             # sets it), what a configuration among its fields hands down is in the first-seen set
             handed_down |= cache[id(above)][2]
-            if _has_field(above, "dtype"):
+            if has_field(above, "dtype"):
                 configured = True
-                now = _dtype_name(getattr(above, "dtype", None))
+                now = dtype_name(getattr(above, "dtype", None))
                 if now is not None:
                     handed_down.add(now)
             above = above.parent
-        fixed = _author_dtypes(module, handed_down, configured or bool(handed_down))
-    kind, source = _kind_and_source(module, "linen")
-    entry = (module, head + ((_linen_path(module), kind, _class_name(module), fixed),), _carried(module), source)
+        fixed = author_dtypes(module, handed_down, configured or bool(handed_down))
+    kind, source = kind_and_source(module, "linen")
+    entry = (module, head + ((_linen_path(module), kind, class_name_of(module), fixed),), carried(module), source)
     cache[id(module)] = entry
     return entry
 
@@ -80,10 +80,10 @@ def _attributes(module: Any, **values: Any):
     """Set a Flax module's own dtype attributes for one call (bound clones only), then restore."""
     old = {}
     for name, value in values.items():
-        if value is None or not _has_field(module, name):
+        if value is None or not has_field(module, name):
             continue
         current = getattr(module, name, None)
-        if not _is_float_dtype_or_none(current):
+        if not is_float_dtype_or_none(current):
             continue  # an integer "dtype" means something else; leave it
         old[name] = current
         object.__setattr__(module, name, value)
@@ -106,7 +106,7 @@ class Observed(NamedTuple):
 
 
 def _float_dtypes(tree: Any) -> tuple[str, ...]:
-    return tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x))
+    return tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if is_float_array(x))
 
 
 def _trace_state() -> Any:
@@ -131,7 +131,7 @@ def _inputs_key(tree: Any, compute: np.dtype) -> tuple | None:
     for x in leaves:
         if isinstance(x, jax.core.Tracer):
             aval = x.aval
-            cast = _floating(x.dtype) and x.dtype != compute
+            cast = is_floating(x.dtype) and x.dtype != compute
             parts.append((aval.shape, compute if cast else x.dtype, not cast and aval.weak_type))
         elif x is None or isinstance(x, (bool, int, float, str)):
             parts.append((type(x), x))
@@ -150,10 +150,10 @@ def _call_key(module: Any, method: str, args: tuple, kwargs: dict, row: PlanRow)
         config = tuple(getattr(module, name) for name in _config_fields(type(module)))
     except TypeError:  # not a dataclass
         return None
-    nn = _linen()
+    nn = linen_module()
     if any(isinstance(v, (nn.Module, jax.Array, np.ndarray)) for v in config):
         return None
-    inputs = _inputs_key((args, kwargs), _DTYPES[row.compute_dtype])
+    inputs = _inputs_key((args, kwargs), DTYPES[row.compute_dtype])
     if inputs is None:
         return None
     key = (type(module), config, method, inputs, row.output_dtype)
@@ -190,7 +190,7 @@ class _LinenInterceptor:
     itself are memoised, never inside a lifted transform (``nn.scan``, ``nn.remat``, ...).
     """
 
-    def __init__(self, resolver: _Resolver, *, record: dict | None = None,
+    def __init__(self, resolver: Resolver, *, record: dict | None = None,
                  observer: Callable[[Observed], None] | None = None, memo: dict | None = None,
                  fixed: dict | None = None):
         check_fp8(resolver.policy)  # before any call: [fp8] settings Flax cannot carry are refused by name
@@ -222,17 +222,17 @@ class _LinenInterceptor:
             if caller is not None:
                 self.callers.setdefault(path, caller)
         row = self.resolver.row(chain)
-        compute = _DTYPES[row.compute_dtype]
-        watch = _watched(self.resolver, path)
-        edge = _edge(self.resolver, path)
-        attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
+        compute = DTYPES[row.compute_dtype]
+        watch = watched(self.resolver, path)
+        edge = edge_of(self.resolver, path)
+        attrs = {"dtype": compute, "param_dtype": DTYPES[row.param_dtype]}
         outermost = self.depth == 0
         if outermost:
             self.model_inputs = {}
         else:
-            args, kwargs = _uncast_model_inputs((args, kwargs), self.model_inputs, compute)
+            args, kwargs = uncast_model_inputs((args, kwargs), self.model_inputs, compute)
         # its inputs as its caller made them (a cast at its entry is its own: seen in its output)
-        inputs_bad = _inputs_bad((args, kwargs), edge)
+        inputs_bad = nonfinite_inputs((args, kwargs), edge)
         key = None
         if self.memo is not None and not outermost and watch is None and edge is None and self.observer is None:
             key = self._memo_key(module, context.method_name, args, kwargs, row, attrs)
@@ -241,21 +241,21 @@ class _LinenInterceptor:
                 self.memo_params[path] = hit.params
                 return hit.out
         if outermost:
-            args, kwargs = _cast_model_inputs((args, kwargs), compute, self.model_inputs)
+            args, kwargs = cast_model_inputs((args, kwargs), compute, self.model_inputs)
         else:
-            args, kwargs = _cast_tree((args, kwargs), compute)
+            args, kwargs = cast_tree((args, kwargs), compute)
         if watch is not None and watch[1]:
-            args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
+            args, kwargs = watch_tree(watch_inputs, (args, kwargs), watch[0])
         entered = self.entered
         out = self._run(next_fun, args, kwargs, module, path, row, attrs, outermost)
         # the model's own call delivers the policy's output_dtype (the root row says so)
-        out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
+        out = cast_tree(out, DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
         if key is not None and self.entered == entered:  # a leaf call: no other module ran inside it
             self.memo[key] = _Memo(out, _own_param_count(module))
         if watch is not None:
-            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
-        out = _watch_edge(out, edge, inputs_bad)
-        _finished(self.resolver, path)
+            out = watch_tree(watch_outputs if watch[1] else watch_output_gradients, out, watch[0])
+        out = watch_edge(out, edge, inputs_bad)
+        finished(self.resolver, path)
         if self.observer is not None:
             self._observe(module, path, class_name, context.method_name, args, kwargs, out)
         return out
@@ -264,7 +264,7 @@ class _LinenInterceptor:
         """What every call records, ``setup`` included: the module's facts, its fixed dtypes, and
         whether another module than the caller's was entered (a memo hit needs a leaf call)."""
         if self.record is not None and path not in self.record:
-            self.record[path] = (kind, class_name, _facts(module, kind_source)._replace(fixed=fixed))
+            self.record[path] = (kind, class_name, facts_of(module, kind_source)._replace(fixed=fixed))
         if self.fixed is not None:
             self.fixed[path] = fixed
         if self.memo is not None and (not self.modules or self.modules[-1] is not module):
@@ -343,7 +343,7 @@ def _keep_state_dtypes(state: Any, before: Any) -> Any:
             if not isinstance(old, Mapping):
                 return new
             return type(new)({k: keep(v, old[k]) if k in old else v for k, v in new.items()})
-        if _is_float_array(new) and _is_float_array(old) and new.dtype != old.dtype:
+        if is_float_array(new) and is_float_array(old) and new.dtype != old.dtype:
             return new.astype(old.dtype)
         return new
 
@@ -367,12 +367,12 @@ def _is_frozen(variables: Any) -> bool:
 def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any = None,
                 method: Any = None, warn: bool = True, notes: tuple[str, ...] = (), known: dict | None = None,
                 _memo: bool = True, **kwargs: Any) -> Plan:
-    nn = _linen()
+    nn = linen_module()
     if not example_inputs and not kwargs:
         raise TypeError("a flax.linen module's layers are only known once it runs: pass example "
                         "inputs, as in ampbridge.plan(module, policy, x) (they are traced, not computed)")
     record: dict[str, tuple[str | None, str, Any]] = {}
-    recorder = _LinenInterceptor(_Resolver(policy), record=record, memo={} if _memo else None)
+    recorder = _LinenInterceptor(Resolver(policy), record=record, memo={} if _memo else None)
     if rngs is None:
         rngs = jax.random.key(0)
 
@@ -397,7 +397,7 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
 
     def adjust(row: PlanRow) -> PlanRow:
         stream = streams(row)  # from the requested row
-        row = _row_notes(row, facts.get(row.path, _Facts()), policy.output_dtype)
+        row = row_notes(row, facts.get(row.path, Facts()), policy.output_dtype)
         return with_note(row, join_notes(stream, row.note)) if stream else row
 
     return mark_rows(build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes, adjust=adjust))
