@@ -21,8 +21,8 @@ from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from . import fp8
 from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
-from .layers import _AUTHOR, _AUTO, _code_caller, _describe, kind_of, walk
-from .plan import _FLOATS, _same_policy, _streams, dtype_policy
+from .layers import AUTHOR, AUTO, _code_caller, describe, kind_of, walk
+from .plan import FLOATS, same_policy, stream_meetings, dtype_policy
 from .policy_map import carry_pins
 
 
@@ -36,7 +36,7 @@ def _is_float(x: Any) -> bool:
     if dtype is None:
         return False
     try:
-        return keras.backend.standardize_dtype(dtype) in _FLOATS
+        return keras.backend.standardize_dtype(dtype) in FLOATS
     except ValueError:
         return False
 
@@ -160,7 +160,7 @@ def _recast_variables(layer: Any, old_dtype: str, new_dtype: str) -> bool:
     """Re-create the layer's own variables that follow its policy in ``new_dtype``, values kept."""
     changed = False
     for v in layer._trainable_variables + layer._non_trainable_variables:
-        if keras.backend.standardize_dtype(v._dtype) != old_dtype or old_dtype not in _FLOATS:
+        if keras.backend.standardize_dtype(v._dtype) != old_dtype or old_dtype not in FLOATS:
             continue  # created with an explicit dtype (int counters, float32 LoRA...): left alone
         value = ops.cast(v.value, new_dtype)
         v._dtype = new_dtype
@@ -233,10 +233,10 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     policy, _ = resolve_policy(policy, warn=warn)
     active = _phase0(policy)
     set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
-    described, by_path = _describe(model)
+    described, by_path = describe(model)
     requested = build_plan(described, active, framework="keras", warn=warn)
     optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
-    streams = _streams(active, by_path)  # rows whose output meets their caller's stream of another dtype
+    streams = stream_meetings(active, by_path)  # rows whose output meets their caller's stream of another dtype
     callers = {_code_caller(row.path, by_path) for row in requested if streams(row) is not None}
     _set_promotion(by_path, {c for c in callers if c is not None} if _backend() == "tensorflow" else set())
     recast = False
@@ -268,7 +268,7 @@ def _apply_row(layer: Any, row: Any, model: Any, policy: Policy, rules: dict, op
     current = layer.dtype_policy
     if isinstance(current, keras.dtype_policies.DTypePolicyMap) and layer.path:
         current = current[layer.path]  # the layer's own entry (or the map's default)
-    if not _same_policy(current, new):
+    if not same_policy(current, new):
         if layer.built and old_variable_dtype != row.param_dtype and (
                 layer._trainable_variables or layer._non_trainable_variables):
             if optimizer_built:
@@ -321,9 +321,9 @@ def _attach_policy_asset(model: Any) -> None:
         policy = getattr(owner, "_ampbridge_policy", None)
         if policy is not None:
             # the author's dtypes too: a layer made from a saved config cannot tell them apart
-            fixed = {path: list(layer.__dict__[_AUTHOR]) for path, layer in walk(owner)
-                     if layer.__dict__.get(_AUTHOR) is not None}
-            auto = sorted({layer.name for _, layer in walk(owner) if layer.__dict__.get(_AUTO) == layer.name})
+            fixed = {path: list(layer.__dict__[AUTHOR]) for path, layer in walk(owner)
+                     if layer.__dict__.get(AUTHOR) is not None}
+            auto = sorted({layer.name for _, layer in walk(owner) if layer.__dict__.get(AUTO) == layer.name})
             with open(os.path.join(str(dir_path), _POLICY_ASSET), "w", encoding="utf-8") as f:
                 json.dump({"format": 1, "policy": policy.to_dict(), "set_by_the_model": fixed,
                            "automatic_names": auto}, f)
