@@ -14,6 +14,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -232,6 +233,12 @@ def carried(module: Any) -> set[str]:
     names = {dtype_name(getattr(module, "dtype", None))} if has_field(module, "dtype") else set()
     skip = _not_configurations()
     for value in _attribute_values(module):
+        if type(value) is types.FunctionType:
+            # initialisers, promote_dtype...: never an array, module or variable, so the checks
+            # below (jax.Array's and nnx.Variable's isinstance run Python code) are spared
+            if hasattr(value, "dtype"):
+                names.add(dtype_name(getattr(value, "dtype", None)))
+            continue
         # a dtype itself (param_dtype = jnp.float32: a type with a .dtype) is not a configuration
         if value is None or isinstance(value, (str, int, float, tuple, list, dict, type, np.dtype) + skip):
             continue

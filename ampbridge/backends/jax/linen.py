@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -151,7 +152,8 @@ def _call_key(module: Any, method: str, args: tuple, kwargs: dict, row: PlanRow)
     except TypeError:  # not a dataclass
         return None
     nn = linen_module()
-    if any(isinstance(v, (nn.Module, jax.Array, np.ndarray)) for v in config):
+    # a function field (an initialiser) is none of these: spared jax.Array's Python isinstance check
+    if any(type(v) is not types.FunctionType and isinstance(v, (nn.Module, jax.Array, np.ndarray)) for v in config):
         return None
     inputs = _inputs_key((args, kwargs), DTYPES[row.compute_dtype])
     if inputs is None:
