@@ -412,20 +412,7 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
     layers = [resolver.layer(layer) for layer in layers] if resolver.kinds else list(layers)
     layers = settle_kinds(layers)  # explicit kinds first: they may settle what a container holds
     policy = resolver.policy
-    compiled = resolver.compiled
-    pending = set(range(len(compiled)))  # rules not yet seen matching any layer
-    decisions: dict[str, tuple[int, Any]] = {}  # path -> (rule index, matching pattern) or (_BY_MODEL, fixed)
-    for layer in layers:
-        decided = resolver.decision(layer)
-        if decided is not None:
-            decisions[layer.path] = decided
-            pending.discard(decided[0])
-        elif layer.fixed is not None:
-            decisions[layer.path] = (_BY_MODEL, layer.fixed)
-        # a rule that loses to a later one still counts as matching (it is not a typo)
-        if pending:
-            pending -= resolver.matching(layer, pending)
-
+    decisions, pending = _decisions(resolver, layers, len(resolver.compiled))
     rows = []
     for layer in layers:
         decided, inherited = decisions.get(layer.path), None
@@ -441,12 +428,7 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
         row = resolver.make_row(layer, decided, inherited)
         rows.append(adjust(row) if adjust else row)
 
-    unmatched = tuple(f"{label} ({', '.join(rule.match)})"
-                      for i, (label, rule, _) in enumerate(compiled) if i in pending)
-    if resolver.fp8:
-        used = {i for layer in layers for i, p in enumerate(resolver.fp8)
-                if p.matches(layer.path, layer.kind, layer.class_name)}
-        unmatched += tuple(f"fp8.match[{i}] ({p.text})" for i, p in enumerate(resolver.fp8) if i not in used)
+    unmatched = _unmatched(resolver, layers, pending)
     missed = unrecognised_kinds(layers, resolver)
     unlisted = resolver.kinds.unmatched(layer.class_name for layer in layers) if resolver.kinds else []
     broad = broad_rules(rows, resolver)
@@ -458,6 +440,36 @@ def build_plan(layers: Iterable[Layer], policy: Policy, *, framework: str | None
         for text in broad:
             _warn_once_per_model(model_key, text, BroadRuleWarning)
     return Plan(tuple(rows), policy, framework, unmatched, notes)
+
+
+def _decisions(resolver: RowResolver, layers: list[Layer],
+               n_rules: int) -> tuple[dict[str, tuple[int, Any]], set[int]]:
+    """Each layer's own decision (path -> (rule index, pattern) or (_BY_MODEL, fixed)), and the
+    rules seen matching no layer."""
+    pending = set(range(n_rules))  # rules not yet seen matching any layer
+    decisions: dict[str, tuple[int, Any]] = {}  # path -> (rule index, matching pattern) or (_BY_MODEL, fixed)
+    for layer in layers:
+        decided = resolver.decision(layer)
+        if decided is not None:
+            decisions[layer.path] = decided
+            pending.discard(decided[0])
+        elif layer.fixed is not None:
+            decisions[layer.path] = (_BY_MODEL, layer.fixed)
+        # a rule that loses to a later one still counts as matching (it is not a typo)
+        if pending:
+            pending -= resolver.matching(layer, pending)
+    return decisions, pending
+
+
+def _unmatched(resolver: RowResolver, layers: list[Layer], pending: set[int]) -> tuple[str, ...]:
+    # rules and [fp8] patterns no layer matched: named in the Plan and warned about (a typo?)
+    unmatched = tuple(f"{label} ({', '.join(rule.match)})"
+                      for i, (label, rule, _) in enumerate(resolver.compiled) if i in pending)
+    if resolver.fp8:
+        used = {i for layer in layers for i, p in enumerate(resolver.fp8)
+                if p.matches(layer.path, layer.kind, layer.class_name)}
+        unmatched += tuple(f"fp8.match[{i}] ({p.text})" for i, p in enumerate(resolver.fp8) if i not in used)
+    return unmatched
 
 
 #: the share of a model's parameters a rule may reach through inheritance before it is said

@@ -54,6 +54,20 @@ def to_fsdp(policy: Policy, plan: Any = None) -> Conversion:
     _require_concrete(policy, "FSDP")
     p = policy
     w = _Writer("fsdp", p)
+    _fsdp_notes(w, p)
+    root = _fsdp_group(p, "root", (), p.compute_dtype, p.param_dtype, p.output_dtype, True)
+    pinned = []
+    for label, rule in p.rules:
+        compute = rule.compute_dtype or p.compute_dtype
+        pinned.append(_fsdp_group(p, label, tuple(rule.match), compute, rule.param_dtype or p.param_dtype,
+                                  rule.output_dtype or compute, False))
+    if plan is not None:
+        _fsdp_paths(plan, root, pinned)
+    return w.done({"root": root, "pinned": pinned})
+
+
+def _fsdp_notes(w: _Writer, p: Policy) -> None:
+    # what FSDP's mixed precision does not carry: a named loss or a note pointing to the tool that does
     if p.phases:
         w.loss("phase", len(p.phases), "FSDP's mixed precision is fixed when the model is wrapped; the top-level "
                "settings were written (wrap again with policy.at(epoch=N) to change phase)")
@@ -65,27 +79,20 @@ def to_fsdp(policy: Policy, plan: Any = None) -> Conversion:
     if loss_scale_view(p.loss_scale, p.compute_dtype)["mode"] != "none":
         w.note("loss scaling is separate from FSDP: use torch's ShardedGradScaler with to_grad_scaler()'s arguments")
 
-    def group(label: str, patterns: tuple[str, ...], compute: str, param: str, output: str, root: bool) -> dict:
-        return {
-            "label": label, "patterns": patterns, "paths": None,
-            "compute_dtype": compute, "param_dtype": param, "output_dtype": output,
-            "fsdp2": {"param_dtype": compute, "reduce_dtype": p.reduce_dtype, "output_dtype": output,
-                      "cast_forward_inputs": True},
-            "fsdp1": {"param_dtype": compute, "reduce_dtype": p.reduce_dtype, "buffer_dtype": compute,
-                      "keep_low_precision_grads": False, "cast_forward_inputs": not root,
-                      "cast_root_forward_inputs": True, "module_classes_to_ignore": ()},
-            "fsdp1_output_dtype": output,
-        }
 
-    root = group("root", (), p.compute_dtype, p.param_dtype, p.output_dtype, True)
-    pinned = []
-    for label, rule in p.rules:
-        compute = rule.compute_dtype or p.compute_dtype
-        pinned.append(group(label, tuple(rule.match), compute, rule.param_dtype or p.param_dtype,
-                            rule.output_dtype or compute, False))
-    if plan is not None:
-        _fsdp_paths(plan, root, pinned)
-    return w.done({"root": root, "pinned": pinned})
+def _fsdp_group(p: Policy, label: str, patterns: tuple[str, ...], compute: str, param: str, output: str,
+                root: bool) -> dict:
+    """One GROUP of :func:`to_fsdp`'s result (its fields are listed there)."""
+    return {
+        "label": label, "patterns": patterns, "paths": None,
+        "compute_dtype": compute, "param_dtype": param, "output_dtype": output,
+        "fsdp2": {"param_dtype": compute, "reduce_dtype": p.reduce_dtype, "output_dtype": output,
+                  "cast_forward_inputs": True},
+        "fsdp1": {"param_dtype": compute, "reduce_dtype": p.reduce_dtype, "buffer_dtype": compute,
+                  "keep_low_precision_grads": False, "cast_forward_inputs": not root,
+                  "cast_root_forward_inputs": True, "module_classes_to_ignore": ()},
+        "fsdp1_output_dtype": output,
+    }
 
 
 def _fsdp_paths(plan: Any, root: dict, pinned: list[dict]) -> None:

@@ -136,8 +136,17 @@ def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = 
     if compute != "float32":
         r.note("Keras layers return their compute dtype, so the model's outputs are "
                f"{compute} unless its last layer uses dtype='float32'; read as output_dtype={compute}")
-    loss_scale = LossScaleConfig(mode="none", skip_nonfinite=False)
     covers = set(_ALL_BUT_MATMUL)
+    loss_scale, state = _keras_loss_scale(r, policy, loss_scale_optimizer, loss_scale_factor)
+    policy_obj = _construct(r, lambda: Policy(compute_dtype=compute, param_dtype=variable, output_dtype=compute,
+                                              loss_scale=loss_scale))
+    return r.done(policy_obj, covers, state)
+
+
+def _keras_loss_scale(r: _Reader, policy: str, loss_scale_optimizer: Mapping[str, Any] | None,
+                      loss_scale_factor: float | None) -> tuple[LossScaleConfig, Any]:
+    """The loss scaling a Keras model under ``policy`` trains with (and a LossScaleOptimizer's state)."""
+    loss_scale = LossScaleConfig(mode="none", skip_nonfinite=False)
     state = None
     if loss_scale_optimizer is not None and loss_scale_factor is not None:
         raise PolicyError([Problem("give loss_scale_optimizer or loss_scale_factor, not both (a LossScaleOptimizer "
@@ -162,9 +171,7 @@ def from_keras(policy: Any, *, loss_scale_optimizer: Mapping[str, Any] | None = 
                "dynamic_growth_steps=2000); a custom training loop must wrap it itself")
         r.note(_KERAS_NOTE_INF)
         r.origins["loss_scale.mode"] = "Model.compile (mixed_float16 wraps a LossScaleOptimizer)"
-    policy_obj = _construct(r, lambda: Policy(compute_dtype=compute, param_dtype=variable, output_dtype=compute,
-                                              loss_scale=loss_scale))
-    return r.done(policy_obj, covers, state)
+    return loss_scale, state
 
 
 def to_keras(policy: Policy) -> Conversion:

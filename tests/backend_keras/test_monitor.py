@@ -344,7 +344,7 @@ def test_grad_stats_thresholds(compute_dtype, scale):
     values = np.array([0.0, -0.0, sub * 0.5, -sub * 0.75, sub, sub * 1.5, 1.0, -3.0, np.inf, -np.inf, np.nan,
                        min(fmt.max * 1.5, 3e38), -fmt.max, 65504.0, 70000.0], "float32")
     parts = [values[:7], values[7:].reshape(2, 4)]
-    row = kx_numpy(keras_numerics._grad_stats([ops.convert_to_tensor(p) for p in parts],
+    row = kx_numpy(keras_numerics.grad_stats([ops.convert_to_tensor(p) for p in parts],
                                               ops.convert_to_tensor(np.float32(scale)), compute_dtype))
     counts = [int(row[i]) * 4096 + int(row[i + 1]) for i in range(2, 12, 2)]
     zero, nonfinite, under, over, size = counts

@@ -211,7 +211,7 @@ def test_jax_unsampled_steps_are_read_at_the_next_sample(kx, tmp_path, monkeypat
             reads, windows = [], []
             device_get, flush = jax.device_get, sampling._FitDispatch.flush
             monkeypatch.setattr(jax, "device_get", lambda tree: reads.append(tree) or device_get(tree))
-            monkeypatch.setattr(sampling, "_host", lambda value: reads.append(value) or np.asarray(value))
+            monkeypatch.setattr(sampling, "host_value", lambda value: reads.append(value) or np.asarray(value))
 
             def spy(self):
                 windows.append([step for step, _, _ in self._window])

@@ -13,7 +13,7 @@ torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
 from ampbridge.backends.torch.layers import _class_name  # noqa: E402
 from ampbridge.backends.torch.environment import cpu_lstm_runs  # noqa: E402
-from ampbridge.backends.torch.plan import _behaviour, _realise  # noqa: E402
+from ampbridge.backends.torch.plan import _behaviour, realise_plan  # noqa: E402
 
 nn = torch.nn
 
@@ -179,7 +179,7 @@ def test_the_cuda_table_matches_torchs_autocast_registrations(op, module, expect
 def test_cuda_plans_say_where_autocast_overrides_the_row(tiny):
     plan = abt.plan(tiny, Policy(compute_dtype="float16", keep_float32=("kind:embedding",)), device_type="cpu")
     assert plan["ln2"].compute_dtype == "float16" and "follows its input" in plan["ln2"].note
-    rows = _realise(tiny, Policy(compute_dtype="float16", keep_float32=("kind:embedding",)), "cuda").plan
+    rows = realise_plan(tiny, Policy(compute_dtype="float16", keep_float32=("kind:embedding",)), "cuda").plan
     assert rows["ln2"].compute_dtype == "float32" and rows["ln2"].output_dtype == "float32"
     assert rows["ln2"].note == "cuda autocast runs LayerNorm in float32"
     assert rows["fc1"].compute_dtype == "float16" and rows["fc1"].note is None

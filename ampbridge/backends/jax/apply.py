@@ -18,9 +18,9 @@ from ...core.matching import join_path
 from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused
 from ...core.policy import Policy
 from ...errors import AmpBridgeError, UnsupportedOptionError
-from .cast import _cast_tree
-from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _linen, _phase_policy, resolve_policy
-from .layers import _Facts, _Resolver
+from .cast import cast_tree
+from .environment import DTYPES, FRAMEWORK, MATMUL_PRECISION, linen_module, phase_policy, resolve_policy
+from .layers import Facts, Resolver
 from .linen import (
     Observed,
     _is_frozen,
@@ -46,7 +46,7 @@ class Applied:
 
     def __init__(self, module: Any, policy: Policy | str, *, _phase: tuple | None = None,
                  _schedule: Policy | None = None, _notes: tuple[str, ...] = (), _known: dict | None = None):
-        nn = _linen()
+        nn = linen_module()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ampbridge.jax.Applied needs a flax.linen.Module; received {type(module).__name__}")
         if _schedule is None:
@@ -56,11 +56,11 @@ class Applied:
             schedule, notes = _schedule, _notes
         self.module = module
         self.schedule = schedule  # the whole policy, phases included
-        self.policy = _phase_policy(schedule, *(_phase or (None, None)))  # the phase in force
+        self.policy = phase_policy(schedule, *(_phase or (None, None)))  # the phase in force
         self.notes = notes
-        self._resolver = _Resolver(self.policy)
+        self._resolver = Resolver(self.policy)
         # path -> (kind, class, facts), learnt while tracing; shared by the phases of one model
-        self._known: dict[str, tuple[str | None, str, _Facts]] = {} if _known is None else _known
+        self._known: dict[str, tuple[str | None, str, Facts]] = {} if _known is None else _known
         # path -> the dtypes its author fixed, under this phase: a dtype the model hands down (ResNet's
         # dtype=self.dtype) is the one ampbridge runs its module in, so the answer can differ by phase
         self._fixed: dict[str, tuple[str, str] | None] = {}
@@ -84,6 +84,22 @@ class Applied:
                 self._phases[index] = hit
         return hit
 
+    def phase_model(self, policy: Policy) -> "Applied":
+        """The same module under one phase's resolved ``policy`` (no phases of its own), sharing what
+        tracing learnt of the tree: a :class:`Schedule`'s model of that phase."""
+        return Applied(self.module, policy, _phase=(None, None), _schedule=policy, _notes=self.notes,
+                       _known=self._known)
+
+    # -- what the monitor reads --
+    @property
+    def resolver(self) -> Resolver:
+        """The path -> Plan row resolver the method interceptor runs with (the monitor's watch shares it)."""
+        return self._resolver
+
+    def known_paths(self) -> list[str]:
+        """The module paths traced so far, in first-call order."""
+        return list(self._known)
+
     # -- the Flax API --
     def _interceptor(self, observer: Callable | None = None) -> Any:
         self._resolver.settle(self._known)  # inferred kinds as the whole tree settles them
@@ -91,7 +107,7 @@ class Applied:
 
     @contextlib.contextmanager
     def _scope(self, interceptor: Any):
-        nn = _linen()
+        nn = linen_module()
         with jax.default_matmul_precision(MATMUL_PRECISION[self.policy.matmul_precision]):
             with nn.intercept_methods(interceptor):
                 yield
@@ -106,7 +122,7 @@ class Applied:
 
         def run() -> Any:
             recorder.top_trace = _trace_state()
-            with _linen().intercept_methods(recorder):
+            with linen_module().intercept_methods(recorder):
                 return self.module.init(rngs, *args, method=method, **kwargs)
 
         with gc_paused():
@@ -136,7 +152,7 @@ class Applied:
         with self._scope(self._interceptor()):
             out, variables = self.module.init_with_output(rngs, *args, method=method, **kwargs)
         self._warn_unmatched()
-        return _cast_tree(out, _DTYPES[self.policy.output_dtype]), self.cast_params(variables)
+        return cast_tree(out, DTYPES[self.policy.output_dtype]), self.cast_params(variables)
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
               mutable: Any = False, **kwargs: Any) -> Any:
@@ -152,11 +168,11 @@ class Applied:
         with self._scope(self._interceptor()):
             result = self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable,
                                        **kwargs)
-        out_dtype = _DTYPES[self.policy.output_dtype]
+        out_dtype = DTYPES[self.policy.output_dtype]
         if mutable is not False:
             out, state = result
-            return _cast_tree(out, out_dtype), _keep_state_dtypes(state, before)
-        return _cast_tree(result, out_dtype)
+            return cast_tree(out, out_dtype), _keep_state_dtypes(state, before)
+        return cast_tree(result, out_dtype)
 
     __call__ = apply
 
@@ -175,7 +191,8 @@ class Applied:
         return seen
 
     # -- parameters --
-    def _rows_for_paths(self, paths: Iterable[str]) -> dict[str, PlanRow]:
+    def rows_for_paths(self, paths: Iterable[str]) -> dict[str, PlanRow]:
+        """The Plan rows of ``paths`` as traced so far (an untraced prefix: no kind, no class)."""
         self._resolver.settle(self._known)
         rows = {}
         for path in paths:
@@ -200,7 +217,7 @@ class Applied:
         recorder = _LinenInterceptor(self._resolver, record=self._known, memo={}, fixed=self._fixed)
 
         def run() -> Any:
-            nn = _linen()
+            nn = linen_module()
             recorder.top_trace = _trace_state()
             with nn.intercept_methods(recorder):
                 # mutable: collections the variables lack (a params-only checkpoint of a model whose [fp8]
@@ -216,7 +233,7 @@ class Applied:
         params = variables["params"]
         paths = _param_paths(params)
         self._ensure_known(variables, args, kwargs, paths, **apply_kw)
-        rows = self._rows_for_paths(paths)
+        rows = self.rows_for_paths(paths)
         return {**variables, "params": self._cast_by_row(params, rows, "compute_dtype")}
 
     @staticmethod
@@ -228,7 +245,7 @@ class Applied:
                 if isinstance(value, Mapping):
                     out[key] = walk(value, names + (str(key),))
                 else:
-                    out[key] = _cast_tree(value, _DTYPES[getattr(rows[path], role)])
+                    out[key] = cast_tree(value, DTYPES[getattr(rows[path], role)])
             return out
 
         return walk(params, ())
@@ -255,7 +272,7 @@ class Applied:
                     f"cast_params: the module tree is not known yet (e.g. {unknown[0]!r}), and this policy's "
                     "kind:/type: rules need it; call init/apply/plan first or pass example inputs: "
                     "amp.cast_params(variables, x)")
-            rows = self._rows_for_paths(paths)
+            rows = self.rows_for_paths(paths)
             out["params"] = self._cast_by_row(params, rows, "param_dtype")
         return type(variables)(out) if type(variables) is not dict and _is_frozen(variables) else out
 
@@ -300,7 +317,7 @@ def apply(model: Any, policy: Policy | str) -> Any:
         if resolved.fp8.enabled or any(ph.policy.fp8.enabled for ph in resolved.phases):
             raise UnsupportedOptionError("the [fp8] table is not realised on flax.nnx models (Flax's fp8_ops are "
                                          "linen modules); use a linen model, or leave [fp8] out")
-        return _apply_nnx(copy, _phase_policy(resolved), notes, described)
+        return _apply_nnx(copy, phase_policy(resolved), notes, described)
     raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
                     f"{type(model).__module__}.{type(model).__qualname__}. For plain pytrees "
                     "(equinox, haiku) use ampbridge.jax.cast(tree, policy)")

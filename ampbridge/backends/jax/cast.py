@@ -1,8 +1,8 @@
 """Casting pytrees (equinox, haiku, a params dict): floating leaves only, whole trees or per Plan
 row of the module owning each leaf.
 
-Holds: cast, cast_to_compute, cast_to_param, cast_to_output, _cast_leaf, _cast_tree, _cast_model_inputs,
-_uncast_model_inputs, _row_for.
+Holds: cast, cast_to_compute, cast_to_param, cast_to_output, _cast_leaf, cast_tree, cast_model_inputs,
+uncast_model_inputs, _row_for.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ from ...core.matching import join_path
 from ...core.plan import Plan, PlanRow, build_plan
 from ...core.policy import Policy
 from .. import common as _common
-from .environment import FRAMEWORK, _is_float_array, _phase_policy, dtype, resolve_policy
-from .layers import _key_name, _tree_layers
+from .environment import FRAMEWORK, is_float_array, phase_policy, dtype, resolve_policy
+from .layers import key_name, tree_layers
 
 
 def _cast_leaf(x: Any, to: np.dtype) -> Any:
-    if _is_float_array(x) and x.dtype != to:
+    if is_float_array(x) and x.dtype != to:
         return x.astype(to)
     return x
 
 
-def _cast_tree(tree: Any, to: np.dtype) -> Any:
+def cast_tree(tree: Any, to: np.dtype) -> Any:
     return jax.tree_util.tree_map(lambda x: _cast_leaf(x, to), tree)
 
 
-def _cast_model_inputs(tree: Any, to: np.dtype, originals: dict[int, tuple[Any, Any]]) -> Any:
+def cast_model_inputs(tree: Any, to: np.dtype, originals: dict[int, tuple[Any, Any]]) -> Any:
     """The model's own call casts its inputs (the root's code computes in the compute dtype) and
-    remembers each cast leaf's original, so that :func:`_uncast_model_inputs` can hand a layer that
+    remembers each cast leaf's original, so that :func:`uncast_model_inputs` can hand a layer that
     receives a model input unchanged the input itself, as torch (a module under
     ``autocast(enabled=False)``) and Keras (a float32 layer) do: a pinned first layer then sees 1e5,
     not float16's inf."""
@@ -45,7 +45,7 @@ def _cast_model_inputs(tree: Any, to: np.dtype, originals: dict[int, tuple[Any, 
     return jax.tree_util.tree_map(cast, tree)
 
 
-def _uncast_model_inputs(tree: Any, originals: dict[int, tuple[Any, Any]], compute: np.dtype) -> Any:
+def uncast_model_inputs(tree: Any, originals: dict[int, tuple[Any, Any]], compute: np.dtype) -> Any:
     """Each leaf that is (the very object) one of the model's cast inputs, back to the original,
     for a layer that computes in another dtype than the cast (where it is the same, the cast leaf
     is what the layer's own cast would give: kept, so the planning memo still keys on it)."""
@@ -92,18 +92,18 @@ def cast(tree: Any, policy: Policy | str | Any, to: str = "compute", *,
     if not isinstance(policy, Policy):
         if plan:
             raise ValueError("cast: plan= needs a Policy, not a dtype")
-        return _cast_tree(tree, dtype(policy))
-    policy = _phase_policy(_common.environment(policy, FRAMEWORK)[0])  # the bisect switch reaches pytrees too
+        return cast_tree(tree, dtype(policy))
+    policy = phase_policy(_common.environment(policy, FRAMEWORK)[0])  # the bisect switch reaches pytrees too
     if policy.compute_dtype == "auto":
         policy = resolve_policy(policy, warn=False)[0]
     if not plan:
-        return _cast_tree(tree, dtype(getattr(policy, roles[to])))
+        return cast_tree(tree, dtype(getattr(policy, roles[to])))
     if plan is True:  # kind:/type: rules cannot match a bare tree; no unmatched-rule warnings
-        plan = build_plan(_tree_layers(tree), policy, framework=FRAMEWORK, warn=False)
+        plan = build_plan(tree_layers(tree), policy, framework=FRAMEWORK, warn=False)
     role = roles[to]
 
     def leaf(keypath: tuple, x: Any) -> Any:
-        row = _row_for(plan, join_path(*[_key_name(k) for k in keypath[:-1]]))
+        row = _row_for(plan, join_path(*[key_name(k) for k in keypath[:-1]]))
         target = getattr(row, role) if row is not None else getattr(policy, role)
         return _cast_leaf(x, dtype(target))
 

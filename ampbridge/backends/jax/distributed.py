@@ -26,13 +26,13 @@ import jax.numpy as jnp
 
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
-from .environment import _DTYPES, _phase_policy, resolve_policy
+from .environment import DTYPES, phase_policy, resolve_policy
 from .loss_scale import loss_scale
 
 
 def _reduce_dtype(policy: Policy | str) -> Any:
     resolved, _ = resolve_policy(policy, warn=False)
-    return _DTYPES[_phase_policy(resolved).reduce_dtype]
+    return DTYPES[phase_policy(resolved).reduce_dtype]
 
 
 def pmean_grads(grads: Any, axis_name: Hashable | tuple[Hashable, ...], policy: Policy | str) -> Any:

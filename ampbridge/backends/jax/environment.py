@@ -2,8 +2,8 @@
 (the bisect switch and ``compute_dtype = "auto"``, through ``backends.common``); Flax and optax
 imported on first use.
 
-Holds: FRAMEWORK, MATMUL_PRECISION, dtype, resolve_policy, _DTYPES, _require, _linen, _nnx,
-_optax, _floating, _is_float_array, _device, _phase_policy.
+Holds: FRAMEWORK, MATMUL_PRECISION, dtype, resolve_policy, DTYPES, _require, linen_module, nnx_module,
+optax_module, is_floating, is_float_array, _device, phase_policy.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .. import common as _common
 FRAMEWORK = "jax"
 
 #: the one place canonical dtype names become JAX dtypes
-_DTYPES: dict[str, np.dtype] = {
+DTYPES: dict[str, np.dtype] = {
     "float32": jnp.dtype("float32"),
     "float16": jnp.dtype("float16"),
     "bfloat16": jnp.dtype("bfloat16"),
@@ -50,15 +50,15 @@ def _require(module: str, what: str) -> Any:
     return imported
 
 
-def _linen() -> Any:
+def linen_module() -> Any:
     return _require("flax.linen", "apply")
 
 
-def _nnx() -> Any:
+def nnx_module() -> Any:
     return _require("flax.nnx", "apply")
 
 
-def _optax() -> Any:
+def optax_module() -> Any:
     return _require("optax", "optimizer")
 
 
@@ -73,11 +73,11 @@ def dtype(name: str | Any) -> np.dtype:
         from ...core.dtypes import canonical_dtype
 
         try:
-            return _DTYPES[canonical_dtype(name)]
+            return DTYPES[canonical_dtype(name)]
         except ValueError:
-            if name in _DTYPES:
-                return _DTYPES[name]
-            raise ValueError(f"unknown dtype {name!r}; accepted: {', '.join(_DTYPES)} "
+            if name in DTYPES:
+                return DTYPES[name]
+            raise ValueError(f"unknown dtype {name!r}; accepted: {', '.join(DTYPES)} "
                              "(aliases: fp16 half f16 bf16 fp32 f32 float single)") from None
     return jnp.dtype(name)
 
@@ -85,12 +85,12 @@ def dtype(name: str | Any) -> np.dtype:
 # --- dtypes -----------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=256)
-def _floating(dtype: Any) -> bool:
+def is_floating(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
-def _is_float_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and _floating(x.dtype)
+def is_float_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and is_floating(x.dtype)
 
 
 # --- policies -----------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
     return resolved, notes
 
 
-def _phase_policy(policy: Policy, step: int | None = None, epoch: int | None = None) -> Policy:
+def phase_policy(policy: Policy, step: int | None = None, epoch: int | None = None) -> Policy:
     if not policy.phases:
         return policy
     if step is None and epoch is None:

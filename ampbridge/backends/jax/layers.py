@@ -3,8 +3,8 @@ facts a Plan note needs, rows resolved from a module's ancestry, and a plain pyt
 neutral ``Layer`` descriptors; the contract's ``layers``, ``owns`` and ``register_kind``.
 
 Holds: layers, owns, register_kind,
-_LINEN_KINDS, _NNX_KINDS, _kind_of, _kind_and_source, _class_name, _has_field, _is_float_dtype_or_none,
-_Facts, _facts, _row_notes, _Resolver, _dtype_name, _carried, _author_dtypes, _key_name, _tree_layers.
+_LINEN_KINDS, _NNX_KINDS, kind_of, kind_and_source, class_name_of, has_field, is_float_dtype_or_none,
+Facts, facts_of, row_notes, Resolver, dtype_name, carried, author_dtypes, key_name, tree_layers.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -26,7 +27,7 @@ from ...core.matching import join_path
 from ...core.plan import BY_MODEL, Layer, PlanRow, RowResolver, with_note
 from ...core.policy import Policy
 from ..common import room_above
-from .environment import _floating, _linen, _nnx
+from .environment import is_floating, linen_module, nnx_module
 
 # --- kinds and rows -----------------------------------------------------------------------------
 
@@ -51,9 +52,9 @@ _NNX_KINDS = {
 @functools.lru_cache(maxsize=None)
 def _class_table(flavour: str) -> dict[type, str]:
     if flavour == "linen":
-        mod, kinds = _linen(), _LINEN_KINDS
+        mod, kinds = linen_module(), _LINEN_KINDS
     else:
-        mod, kinds = _nnx(), _NNX_KINDS
+        mod, kinds = nnx_module(), _NNX_KINDS
     table = {}
     for kind, names in kinds.items():
         for name in names:
@@ -72,11 +73,11 @@ def register_kind(cls: type, kind: str | None) -> None:
     _REGISTERED.register(cls, kind)
 
 
-def _kind_of(obj: Any, flavour: str) -> str | None:
-    return _kind_and_source(obj, flavour)[0]
+def kind_of(obj: Any, flavour: str) -> str | None:
+    return kind_and_source(obj, flavour)[0]
 
 
-def _kind_and_source(obj: Any, flavour: str) -> tuple[str | None, str | None]:
+def kind_and_source(obj: Any, flavour: str) -> tuple[str | None, str | None]:
     """``(kind, how it was decided)``, as torch's and Keras's rows say it: the ``ampbridge_kind``
     attribute, :func:`register_kind`, Flax's own classes (``"framework class"``), then the core's
     inference from the class's and its bases' names (``"class name"``, ``"base class X"``)."""
@@ -99,28 +100,28 @@ def _inferred(cls: type) -> tuple[str | None, str | None]:
     return infer_kind([c.__name__ for c in cls.__mro__ if not c.__module__.startswith(("flax.", "builtins"))])
 
 
-def _class_name(obj: Any) -> str:
+def class_name_of(obj: Any) -> str:
     cls = getattr(type(obj), "_ampbridge_original", type(obj))
     return cls.__name__
 
 
-def _has_field(obj: Any, name: str) -> bool:
+def has_field(obj: Any, name: str) -> bool:
     fields = getattr(type(obj), "__dataclass_fields__", None)
     if fields is not None:
         return name in fields
     return name in getattr(obj, "__dict__", {})
 
 
-def _is_float_dtype_or_none(value: Any) -> bool:
+def is_float_dtype_or_none(value: Any) -> bool:
     if value is None:
         return True
     try:
-        return _floating(jnp.dtype(value))
+        return is_floating(jnp.dtype(value))
     except TypeError:
         return False
 
 
-class _Facts(NamedTuple):
+class Facts(NamedTuple):
     """What a Plan note needs to know about one module (kept instead of the module itself)."""
 
     float32_reductions: bool = False
@@ -128,7 +129,7 @@ class _Facts(NamedTuple):
     batch_norm: bool = False
     odd_dtype: str | None = None  # a non-float ``dtype`` attribute, left alone
     kind_source: str | None = None  # how the module's kind was decided (the row shows it)
-    fixed: tuple[str, str] | None = None  # (dtype, param_dtype) its author fixed (_author_dtypes)
+    fixed: tuple[str, str] | None = None  # (dtype, param_dtype) its author fixed (author_dtypes)
 
 
 #: NNX's norms have no force_float32_reductions switch: their statistics always run in float32
@@ -141,18 +142,18 @@ def _nnx_float32_norm(module: Any) -> bool:
                for c in type(module).__mro__)
 
 
-def _facts(module: Any, kind_source: str | None = None) -> _Facts:
+def facts_of(module: Any, kind_source: str | None = None) -> Facts:
     if module is None:
-        return _Facts()
+        return Facts()
     odd = None
-    if _has_field(module, "dtype") and not _is_float_dtype_or_none(getattr(module, "dtype", None)):
+    if has_field(module, "dtype") and not is_float_dtype_or_none(getattr(module, "dtype", None)):
         odd = str(getattr(module, "dtype"))
-    return _Facts(bool(getattr(module, "force_float32_reductions", False)) or _nnx_float32_norm(module),
+    return Facts(bool(getattr(module, "force_float32_reductions", False)) or _nnx_float32_norm(module),
                   bool(getattr(module, "force_fp32_for_softmax", False)),
                   any(c.__name__ == "BatchNorm" for c in type(module).__mro__), odd, kind_source)
 
 
-def _row_notes(row: PlanRow, facts: _Facts, output_dtype: str | None = None) -> PlanRow:
+def row_notes(row: PlanRow, facts: Facts, output_dtype: str | None = None) -> PlanRow:
     """Say where Flax itself computes in another dtype than the row asks (its own machinery).
 
     ``output_dtype`` (the policy's) is what the root row ``""`` delivers: the model's outputs are
@@ -190,7 +191,7 @@ def _row_notes(row: PlanRow, facts: _Facts, output_dtype: str | None = None) -> 
 _NO_DEFAULT = object()
 
 
-def _dtype_name(value: Any) -> str | None:
+def dtype_name(value: Any) -> str | None:
     """The canonical name of a float dtype (``jnp.float32``, ``"bfloat16"``, a dtype); None otherwise."""
     if value is None or isinstance(value, bool):
         return None
@@ -198,7 +199,7 @@ def _dtype_name(value: Any) -> str | None:
         dtype = jnp.dtype(value)
     except TypeError:
         return None
-    return dtype.name if _floating(dtype) else None
+    return dtype.name if is_floating(dtype) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,17 +227,23 @@ def _attribute_values(module: Any) -> list[Any]:
     return list(vars(module).values())
 
 
-def _carried(module: Any) -> set[str]:
+def carried(module: Any) -> set[str]:
     """The float dtypes a module can hand down to the modules it makes: its own ``dtype`` and the
     ``dtype`` of a configuration object among its attributes (``self.config.dtype``)."""
-    names = {_dtype_name(getattr(module, "dtype", None))} if _has_field(module, "dtype") else set()
+    names = {dtype_name(getattr(module, "dtype", None))} if has_field(module, "dtype") else set()
     skip = _not_configurations()
     for value in _attribute_values(module):
+        if type(value) is types.FunctionType:
+            # initialisers, promote_dtype...: never an array, module or variable, so the checks
+            # below (jax.Array's and nnx.Variable's isinstance run Python code) are spared
+            if hasattr(value, "dtype"):
+                names.add(dtype_name(getattr(value, "dtype", None)))
+            continue
         # a dtype itself (param_dtype = jnp.float32: a type with a .dtype) is not a configuration
         if value is None or isinstance(value, (str, int, float, tuple, list, dict, type, np.dtype) + skip):
             continue
         if hasattr(value, "dtype"):
-            names.add(_dtype_name(getattr(value, "dtype", None)))
+            names.add(dtype_name(getattr(value, "dtype", None)))
     names.discard(None)
     return names  # type: ignore[return-value]
 
@@ -244,19 +251,19 @@ def _carried(module: Any) -> set[str]:
 @functools.lru_cache(maxsize=1)
 def _not_configurations() -> tuple[type, ...]:
     """Attribute types that are not a configuration object (arrays, modules, variables)."""
-    return (jax.Array, np.ndarray, _linen().Module) + ((_nnx().Module, _nnx().Variable) if _has_nnx() else ())
+    return (jax.Array, np.ndarray, linen_module().Module) + ((nnx_module().Module, nnx_module().Variable) if _has_nnx() else ())
 
 
 @functools.lru_cache(maxsize=1)
 def _has_nnx() -> bool:
     try:
-        _nnx()
+        nnx_module()
     except ImportError:  # pragma: no cover - Flax without NNX
         return False
     return True
 
 
-def _author_dtypes(module: Any, handed_down: set[str], configured: bool = True) -> tuple[str, str] | None:
+def author_dtypes(module: Any, handed_down: set[str], configured: bool = True) -> tuple[str, str] | None:
     """The (dtype, param_dtype) the model's code fixed for a (non-root) Flax module, or None.
 
     Fixed: its ``dtype`` is a float dtype that differs from the class's default for it and from
@@ -270,27 +277,27 @@ def _author_dtypes(module: Any, handed_down: set[str], configured: bool = True) 
 
     Example:
         >>> import jax.numpy as jnp, flax.linen as nn
-        >>> _author_dtypes(nn.Dense(3, dtype=jnp.float32), {"bfloat16"})
+        >>> author_dtypes(nn.Dense(3, dtype=jnp.float32), {"bfloat16"})
         ('float32', 'float32')
-        >>> _author_dtypes(nn.Dense(3, dtype=jnp.float32), {"float32"}) is None  # handed down
+        >>> author_dtypes(nn.Dense(3, dtype=jnp.float32), {"float32"}) is None  # handed down
         True
-        >>> _author_dtypes(nn.Dense(3, dtype=jnp.float32), set(), configured=False) is None
+        >>> author_dtypes(nn.Dense(3, dtype=jnp.float32), set(), configured=False) is None
         True
     """
-    if not _has_field(module, "dtype"):
+    if not has_field(module, "dtype"):
         return None
-    name = _dtype_name(getattr(module, "dtype", None))
+    name = dtype_name(getattr(module, "dtype", None))
     if name is None or name in handed_down or (name == "float32" and not configured):
         return None
     cls = getattr(type(module), "_ampbridge_original", type(module))
     default = _class_default(cls, "dtype")
-    if default is not _NO_DEFAULT and default is not None and _dtype_name(default) == name:
+    if default is not _NO_DEFAULT and default is not None and dtype_name(default) == name:
         return None
-    param = _dtype_name(getattr(module, "param_dtype", None)) if _has_field(module, "param_dtype") else None
+    param = dtype_name(getattr(module, "param_dtype", None)) if has_field(module, "param_dtype") else None
     return name, param or name
 
 
-class _Resolver:
+class Resolver:
     """Plan rows from a module's ancestry, cached: the same rule resolution as :func:`plan`."""
 
     def __init__(self, policy: Policy):
@@ -334,18 +341,18 @@ class _Resolver:
 
 # --- plain pytrees -----------------------------------------------------------------------------
 
-def _key_name(key: Any) -> str:
+def key_name(key: Any) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
 
 
-def _tree_layers(tree: Any) -> list[Layer]:
+def tree_layers(tree: Any) -> list[Layer]:
     """One Layer per inner node of a pytree (its key path), for path rules on plain pytrees."""
     seen: dict[str, int] = {}
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [_key_name(k) for k in keypath]
+        names = [key_name(k) for k in keypath]
         size = int(np.prod(np.shape(leaf))) if hasattr(leaf, "shape") else 0
         for depth in range(len(names)):
             path = join_path(*names[:depth])
@@ -371,7 +378,7 @@ def layers(model: Any, *example_inputs: Any, **kwargs: Any) -> list[Layer]:
     if nnx is not None and isinstance(model, nnx.Module):
         return list(room_above(__package__, "nnx")._nnx_layers(model).layers)
     if isinstance(model, Mapping):
-        return _tree_layers(model)
+        return tree_layers(model)
     # linen (or its Applied): the rows of its trace, in the order it met them (plan refuses anything else)
     plan = room_above(__package__, "plan").plan  # linen's walk is its Plan's
     rows = plan(model, Policy(), *example_inputs, warn=False, **kwargs).rows

@@ -1,8 +1,5 @@
 """flax.linen: the method interceptor that runs every module call in its Plan row's dtypes, the
 planning memo (a repeated leaf call traced once), and the linen Plan.
-
-Holds: Observed, _LinenInterceptor, _linen_plan, _linen_entry, _attributes, _call_key, _Memo,
-_own_param_counts, _param_paths, _keep_state_dtypes, _needs_classes, _is_frozen, _trace_state.
 """
 
 from __future__ import annotations
@@ -10,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -19,26 +17,26 @@ import numpy as np
 from ...core.matching import join_path
 from ...core.plan import Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
-from .cast import _cast_model_inputs, _cast_tree, _uncast_model_inputs
+from .cast import cast_model_inputs, cast_tree, uncast_model_inputs
 from .fp8 import check as check_fp8
 from .fp8 import dot_general_cls, fp8_call, mark_rows
-from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _floating, _is_float_array, _linen
+from .environment import DTYPES, FRAMEWORK, MATMUL_PRECISION, is_floating, is_float_array, linen_module
 from .layers import (
-    _class_name,
-    _dtype_name,
-    _Facts,
-    _facts,
-    _has_field,
-    _is_float_dtype_or_none,
-    _kind_and_source,
-    _kind_of,
-    _author_dtypes,
-    _carried,
-    _Resolver,
-    _row_notes,
+    class_name_of,
+    dtype_name,
+    Facts,
+    facts_of,
+    has_field,
+    is_float_dtype_or_none,
+    kind_and_source,
+    kind_of,
+    author_dtypes,
+    carried,
+    Resolver,
+    row_notes,
 )
-from .watch import (_edge, _finished, _inputs_bad, _watch, _watch_edge, _watch_inputs, _watch_output_gradients,
-                    _watch_outputs, _watched)
+from .watch import (edge_of, finished, nonfinite_inputs, watch_tree, watch_edge, watch_inputs, watch_output_gradients,
+                    watch_outputs, watched)
 
 
 def _linen_path(module: Any) -> str:
@@ -50,7 +48,7 @@ def _linen_entry(module: Any, cache: dict) -> tuple[Any, tuple, set[str], str | 
     module; chain: (path, kind, class, dtypes its author fixed) of the module and its ancestors,
     root first. ``cache`` (by ``id``, the module kept alive in its entry) spares recomputing the
     ancestors' part, and keeps what each hands down as first seen (before ampbridge set its dtype)."""
-    nn = _linen()
+    nn = linen_module()
     hit = cache.get(id(module))
     if hit is not None and hit[0] is module:
         return hit
@@ -65,15 +63,15 @@ def _linen_entry(module: Any, cache: dict) -> tuple[Any, tuple, set[str], str | 
             # as first seen, and as running now: only its own dtype changes while it runs (_attributes
             # sets it), what a configuration among its fields hands down is in the first-seen set
             handed_down |= cache[id(above)][2]
-            if _has_field(above, "dtype"):
+            if has_field(above, "dtype"):
                 configured = True
-                now = _dtype_name(getattr(above, "dtype", None))
+                now = dtype_name(getattr(above, "dtype", None))
                 if now is not None:
                     handed_down.add(now)
             above = above.parent
-        fixed = _author_dtypes(module, handed_down, configured or bool(handed_down))
-    kind, source = _kind_and_source(module, "linen")
-    entry = (module, head + ((_linen_path(module), kind, _class_name(module), fixed),), _carried(module), source)
+        fixed = author_dtypes(module, handed_down, configured or bool(handed_down))
+    kind, source = kind_and_source(module, "linen")
+    entry = (module, head + ((_linen_path(module), kind, class_name_of(module), fixed),), carried(module), source)
     cache[id(module)] = entry
     return entry
 
@@ -83,10 +81,10 @@ def _attributes(module: Any, **values: Any):
     """Set a Flax module's own dtype attributes for one call (bound clones only), then restore."""
     old = {}
     for name, value in values.items():
-        if value is None or not _has_field(module, name):
+        if value is None or not has_field(module, name):
             continue
         current = getattr(module, name, None)
-        if not _is_float_dtype_or_none(current):
+        if not is_float_dtype_or_none(current):
             continue  # an integer "dtype" means something else; leave it
         old[name] = current
         object.__setattr__(module, name, value)
@@ -109,7 +107,7 @@ class Observed(NamedTuple):
 
 
 def _float_dtypes(tree: Any) -> tuple[str, ...]:
-    return tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x))
+    return tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if is_float_array(x))
 
 
 def _trace_state() -> Any:
@@ -134,7 +132,7 @@ def _inputs_key(tree: Any, compute: np.dtype) -> tuple | None:
     for x in leaves:
         if isinstance(x, jax.core.Tracer):
             aval = x.aval
-            cast = _floating(x.dtype) and x.dtype != compute
+            cast = is_floating(x.dtype) and x.dtype != compute
             parts.append((aval.shape, compute if cast else x.dtype, not cast and aval.weak_type))
         elif x is None or isinstance(x, (bool, int, float, str)):
             parts.append((type(x), x))
@@ -153,10 +151,11 @@ def _call_key(module: Any, method: str, args: tuple, kwargs: dict, row: PlanRow)
         config = tuple(getattr(module, name) for name in _config_fields(type(module)))
     except TypeError:  # not a dataclass
         return None
-    nn = _linen()
-    if any(isinstance(v, (nn.Module, jax.Array, np.ndarray)) for v in config):
+    nn = linen_module()
+    # a function field (an initialiser) is none of these: spared jax.Array's Python isinstance check
+    if any(type(v) is not types.FunctionType and isinstance(v, (nn.Module, jax.Array, np.ndarray)) for v in config):
         return None
-    inputs = _inputs_key((args, kwargs), _DTYPES[row.compute_dtype])
+    inputs = _inputs_key((args, kwargs), DTYPES[row.compute_dtype])
     if inputs is None:
         return None
     key = (type(module), config, method, inputs, row.output_dtype)
@@ -197,7 +196,7 @@ class _LinenInterceptor:
     itself are memoised, never inside a lifted transform (``nn.scan``, ``nn.remat``, ...).
     """
 
-    def __init__(self, resolver: _Resolver, *, record: dict | None = None,
+    def __init__(self, resolver: Resolver, *, record: dict | None = None,
                  observer: Callable[[Observed], None] | None = None, memo: dict | None = None,
                  fixed: dict | None = None):
         check_fp8(resolver.policy)  # before any call: [fp8] settings Flax cannot carry are refused by name
@@ -222,12 +221,7 @@ class _LinenInterceptor:
         path, kind, class_name, fixed = chain[-1]
         if class_name in _FP8_OPS and len(chain) > 1 and self.resolver.row(chain[:-1]).fp8:
             return next_fun(*args, **kwargs)  # the float8 op ampbridge put under a float8 row: not a layer of its own
-        if self.record is not None and path not in self.record:
-            self.record[path] = (kind, class_name, _facts(module, kind_source)._replace(fixed=fixed))
-        if self.fixed is not None:
-            self.fixed[path] = fixed
-        if self.memo is not None and (not self.modules or self.modules[-1] is not module):
-            self.entered += 1
+        self._note(module, path, kind, class_name, fixed, kind_source)
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
         if self.record is not None:
@@ -236,34 +230,66 @@ class _LinenInterceptor:
             if caller is not None:
                 self.callers.setdefault(path, caller)
         row = self.resolver.row(chain)
-        compute = _DTYPES[row.compute_dtype]
-        watch = _watched(self.resolver, path)
-        edge = _edge(self.resolver, path)
-        attrs = {"dtype": compute, "param_dtype": _DTYPES[row.param_dtype]}
+        compute = DTYPES[row.compute_dtype]
+        watch = watched(self.resolver, path)
+        edge = edge_of(self.resolver, path)
+        attrs = {"dtype": compute, "param_dtype": DTYPES[row.param_dtype]}
         outermost = self.depth == 0
         if outermost:
             self.model_inputs = {}
         else:
-            args, kwargs = _uncast_model_inputs((args, kwargs), self.model_inputs, compute)
+            args, kwargs = uncast_model_inputs((args, kwargs), self.model_inputs, compute)
         # its inputs as its caller made them (a cast at its entry is its own: seen in its output)
-        inputs_bad = _inputs_bad((args, kwargs), edge)
+        inputs_bad = nonfinite_inputs((args, kwargs), edge)
         key = None
         if self.memo is not None and not outermost and watch is None and edge is None and self.observer is None:
-            with _attributes(module, **attrs):
-                key = _call_key(module, context.method_name, args, kwargs, row)
-            if key is not None and (self.top_trace is None or _trace_state() != self.top_trace):
-                key = None  # inside a lifted transform (another trace, other shapes), or cannot tell
+            key = self._memo_key(module, context.method_name, args, kwargs, row, attrs)
             hit = self.memo.get(key) if key is not None else None
             if hit is not None:
                 self.memo_params[path] = hit.params
                 return hit.out
         if outermost:
-            args, kwargs = _cast_model_inputs((args, kwargs), compute, self.model_inputs)
+            args, kwargs = cast_model_inputs((args, kwargs), compute, self.model_inputs)
         else:
-            args, kwargs = _cast_tree((args, kwargs), compute)
+            args, kwargs = cast_tree((args, kwargs), compute)
         if watch is not None and watch[1]:
-            args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
+            args, kwargs = watch_tree(watch_inputs, (args, kwargs), watch[0])
         entered = self.entered
+        out = self._run(next_fun, args, kwargs, module, path, row, attrs, outermost)
+        # the model's own call delivers the policy's output_dtype (the root row says so)
+        out = cast_tree(out, DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
+        if key is not None and self.entered == entered:  # a leaf call: no other module ran inside it
+            self.memo[key] = _Memo(out, _own_param_count(module))
+        if watch is not None:
+            out = watch_tree(watch_outputs if watch[1] else watch_output_gradients, out, watch[0])
+        out = watch_edge(out, edge, inputs_bad)
+        finished(self.resolver, path)
+        if self.observer is not None:
+            self._observe(module, path, class_name, context.method_name, args, kwargs, out)
+        return out
+
+    def _note(self, module: Any, path: str, kind: str, class_name: str, fixed: Any, kind_source: Any) -> None:
+        """What every call records, ``setup`` included: the module's facts, its fixed dtypes, and
+        whether another module than the caller's was entered (a memo hit needs a leaf call)."""
+        if self.record is not None and path not in self.record:
+            self.record[path] = (kind, class_name, facts_of(module, kind_source)._replace(fixed=fixed))
+        if self.fixed is not None:
+            self.fixed[path] = fixed
+        if self.memo is not None and (not self.modules or self.modules[-1] is not module):
+            self.entered += 1
+
+    def _memo_key(self, module: Any, method: str, args: tuple, kwargs: dict, row: PlanRow,
+                  attrs: dict) -> Any:
+        # the key reads the module's config as this row runs it
+        with _attributes(module, **attrs):
+            key = _call_key(module, method, args, kwargs, row)
+        if key is not None and (self.top_trace is None or _trace_state() != self.top_trace):
+            return None  # inside a lifted transform (another trace, other shapes), or cannot tell
+        return key
+
+    def _run(self, next_fun: Callable, args: tuple, kwargs: dict, module: Any, path: str, row: PlanRow,
+             attrs: dict, outermost: bool) -> Any:
+        """The module's own call in the row's dtypes, with the stacks of calls in progress kept."""
         self.depth += 1
         if self.memo is not None:
             self.modules.append(module)
@@ -271,7 +297,7 @@ class _LinenInterceptor:
             self.calling.append(path)
         try:
             with _attributes(module, **attrs), fp8_call(module, dot_general_cls(module, row, self.resolver.policy)):
-                out = next_fun(*args, **kwargs)
+                return next_fun(*args, **kwargs)
         finally:
             self.depth -= 1
             if outermost:
@@ -280,21 +306,13 @@ class _LinenInterceptor:
                 self.calling.pop()
             if self.memo is not None:
                 self.modules.pop()
-        # the model's own call delivers the policy's output_dtype (the root row says so)
-        out = _cast_tree(out, _DTYPES[self.resolver.policy.output_dtype if outermost else row.output_dtype])
-        if key is not None and self.entered == entered:
-            self.memo[key] = _Memo(out, _own_param_count(module))
-        if watch is not None:
-            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
-        out = _watch_edge(out, edge, inputs_bad)
-        _finished(self.resolver, path)
-        if self.observer is not None:
-            own = module.variables.get("params", {}) if module.scope is not None else {}
-            params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
-            self.observer(Observed(path, class_name, context.method_name,
-                                   _float_dtypes((args, kwargs)), _float_dtypes(params),
-                                   _float_dtypes(out)))
-        return out
+
+    def _observe(self, module: Any, path: str, class_name: str, method: str, args: tuple, kwargs: dict,
+                 out: Any) -> None:
+        own = module.variables.get("params", {}) if module.scope is not None else {}
+        params = {k: v for k, v in own.items() if not isinstance(v, Mapping)}
+        self.observer(Observed(path, class_name, method, _float_dtypes((args, kwargs)), _float_dtypes(params),
+                               _float_dtypes(out)))
 
 
 def _own_param_counts(params: Any) -> dict[str, int]:
@@ -333,7 +351,7 @@ def _keep_state_dtypes(state: Any, before: Any) -> Any:
             if not isinstance(old, Mapping):
                 return new
             return type(new)({k: keep(v, old[k]) if k in old else v for k, v in new.items()})
-        if _is_float_array(new) and _is_float_array(old) and new.dtype != old.dtype:
+        if is_float_array(new) and is_float_array(old) and new.dtype != old.dtype:
             return new.astype(old.dtype)
         return new
 
@@ -357,12 +375,12 @@ def _is_frozen(variables: Any) -> bool:
 def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any = None,
                 method: Any = None, warn: bool = True, notes: tuple[str, ...] = (), known: dict | None = None,
                 _memo: bool = True, **kwargs: Any) -> Plan:
-    nn = _linen()
+    nn = linen_module()
     if not example_inputs and not kwargs:
         raise TypeError("a flax.linen module's layers are only known once it runs: pass example "
                         "inputs, as in ampbridge.plan(module, policy, x) (they are traced, not computed)")
     record: dict[str, tuple[str | None, str, Any]] = {}
-    recorder = _LinenInterceptor(_Resolver(policy), record=record, memo={} if _memo else None)
+    recorder = _LinenInterceptor(Resolver(policy), record=record, memo={} if _memo else None)
     if rngs is None:
         rngs = jax.random.key(0)
 
@@ -387,7 +405,7 @@ def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any
 
     def adjust(row: PlanRow) -> PlanRow:
         stream = streams(row)  # from the requested row
-        row = _row_notes(row, facts.get(row.path, _Facts()), policy.output_dtype)
+        row = row_notes(row, facts.get(row.path, Facts()), policy.output_dtype)
         return with_note(row, join_notes(stream, row.note)) if stream else row
 
     return mark_rows(build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes, adjust=adjust))

@@ -20,7 +20,7 @@ from ...core.loss_scale import initial_state as _reference_initial_state
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError, warn_once
 from ..private_hooks import tested_range
-from .environment import _optax, _phase_policy, resolve_policy
+from .environment import optax_module, phase_policy, resolve_policy
 
 
 #: the int32 counters of :class:`PackedLossScale`, in the order they sit in ``counters``
@@ -121,7 +121,7 @@ def _config(policy: Policy | LossScaleConfig | str) -> tuple[LossScaleConfig, st
         cfg = policy.resolve("float16")
         return cfg, "float16"
     resolved, _ = resolve_policy(policy, warn=False)
-    resolved = _phase_policy(resolved)
+    resolved = phase_policy(resolved)
     return resolved.resolved_loss_scale, resolved.compute_dtype
 
 
@@ -394,16 +394,11 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
     state is an :class:`AmpState` pytree. Put it outermost: ``optimizer(optax.chain(clip, adam), p)``,
     so every inner transformation sees unscaled gradients.
 
-    ``on_min_scale``: ``"clamp"`` stays at ``min_scale``; ``"warn"`` and ``"error"`` count the event
-    in ``min_scale_hits`` and :func:`check` (host side, where you already sync, e.g. when logging)
-    warns or raises ``LossScaleError``. With ``"error"`` the step that would raise, and every step
-    after it, is skipped with the loss-scale state frozen, as the reference's raise leaves it.
-    ``host_callback=True`` also reports from inside the step through ``jax.debug.callback``
-    (one host callback per step; the default adds none). A policy with ``[[phase]]`` tables gives
-    its first phase's loss scaling; :class:`Schedule` builds one optimizer per phase.
-    ``axis_name`` (inside ``shard_map``/``pmap``): the non-finite flag is agreed over that axis
-    (one scalar ``pmin``), so all devices skip a step any of them found non-finite
-    (``ampbridge.backends.jax.distributed``).
+    ``on_min_scale`` ``"warn"``/``"error"`` count hits in ``min_scale_hits`` for :func:`check` (host
+    side; ``"error"`` then skips every later step, state frozen); ``host_callback=True`` also reports
+    from inside the step (one ``jax.debug.callback``). ``axis_name`` (``shard_map``/``pmap``): all
+    devices skip a step any of them found non-finite. ``[[phase]]`` tables: the first phase's
+    scaling (:class:`Schedule` builds one optimizer per phase).
 
     Example:
         >>> import jax.numpy as jnp, optax, ampbridge
@@ -413,7 +408,7 @@ def optimizer(inner: Any, policy: Policy | LossScaleConfig | str, *, host_callba
         >>> updates["w"], float(loss_scale(state).scale), int(loss_scale(state).skipped)
         (Array([-0., -0.], dtype=float32), 32768.0, 1)
     """
-    optax = _optax()
+    optax = optax_module()
     cfg, compute = _config(policy)
     inner = optax.with_extra_args_support(inner)
     if host_callback and cfg.on_min_scale == "clamp":
@@ -481,7 +476,7 @@ def _verify_first_update(finite: jax.Array, before: PackedLossScale, after: Pack
                                                             jax.tree_util.tree_leaves(returned)))
     if same and int(after.steps) == int(before.steps) + 1:
         return True
-    optax = _optax()
+    optax = optax_module()
     raise UnsupportedOptionError(
         f"ampbridge.jax.optimizer: a finite step did not apply the inner transformation's updates on jax "
         f"{jax.__version__}, optax {optax.__version__}, so training would not update the weights; "
@@ -585,7 +580,7 @@ def reset_loss_scale(opt_state: Any, policy: Policy | LossScaleConfig | str) -> 
 
 
 def _loss_scale_configs(policy: Policy) -> Any:
-    return _phase_policy(policy).resolved_loss_scale
+    return phase_policy(policy).resolved_loss_scale
 
 
 def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConfig | None = None, *,

@@ -118,36 +118,14 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
     NNX, ``numerics(model, loss_fn, optimizer)(model, *args)`` with ``loss_fn(model, *args)`` is
     ``nnx.value_and_grad`` the same way (``grads``: the ``nnx.Param`` state, for
     ``optimizer.update(model, grads)``).
-    ``stats`` is a :class:`Numerics` of arrays:
-
-    - per layer owning parameters (its Plan path), counts and magnitudes from which
-      ``ampbridge.diagnostics.runlog.layer_stats`` follows exactly, of the scaled gradients against the row's
-      compute dtype; computed every ``every``-th optimizer step (``lax.cond`` on the step counter
-      in the loss-scale state; 1: every step; None: none on finite steps, for a second compiled
-      step without them), and on every non-finite step (the ``lax.cond`` costs a finite step nothing);
-    - with ``attribution``, flags per leaf module (a module without submodules): its forward
-      output was non-finite (the method interceptor watches every output) and its gradient went
-      non-finite (identities with a ``custom_vjp`` report the cotangent's finiteness through the
-      gradient of a dummy probe argument, so they work through ``nn.scan``/``nn.remat``), and the
-      attribution (the first non-finite output in forward order, else the first non-finite
-      gradient in backward order, see :class:`Numerics`).
-
-    ``attribution=True`` (``"inputs"``) watches each leaf's input gradient, as torch's full
-    backward hooks do. That identity makes a module's input gradient one sum before it joins
-    the other uses of its input, so where an input is also used elsewhere (a residual), float16
-    gradients can differ from a step without it by float16 rounding (about 1e-3 relative). ``"outputs"``
-    watches output gradients only and leaves ``grads`` bit-identical to the hand-written step;
-    it names the leaf after the last one whose output gradient went non-finite (exact in a
-    chain; in a fan-out, e.g. query/key/value, it may name a sibling). ``False``: no flags;
-    a non-finite step is then attributed by the parameter gradients alone.
-
-    ``sample=False`` (a static Python bool) adds nothing: it is :func:`value_and_grad` exactly, and
-    ``stats`` is None, so a step written once with ``sample`` as a static argument compiles to the
-    program without a monitor on unsampled steps and to the statistics program on sampled ones
-    (what :meth:`Monitor.wrap` drives).
-
-    Nothing syncs with the host and no callback is added; read ``stats`` with a :class:`Monitor`.
-    With attribution the model is traced once more (abstractly) to learn its leaf modules.
+    ``stats`` is a :class:`Numerics` of arrays: per layer owning parameters, the counts and
+    magnitudes of ``ampbridge.diagnostics.runlog.layer_stats`` (every ``every``-th optimizer step
+    and every non-finite one; None: non-finite steps only); with ``attribution`` (``True`` or
+    ``"inputs"``: input gradients watched, as torch's full backward hooks; ``"outputs"``: output
+    gradients only, ``grads`` bit-identical to the step without it; ``False``: none), per leaf
+    module flags and the first non-finite place. ``sample=False`` (a static bool) is
+    :func:`value_and_grad` exactly and ``stats`` None (what :meth:`Monitor.wrap` drives). Nothing
+    syncs with the host. docs/jax.md ("Monitor") says how each is computed and what it costs.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ampbridge
@@ -175,50 +153,53 @@ def numerics(model: Applied | Any, loss_fn: Callable[..., Any], opt_state: Any, 
         plain = value_and_grad(loss_fn, opt_state, has_aux=has_aux)
         return lambda *args: (*plain(*args), None)
     watching = bool(attribution)
-    watch_inputs = attribution in (True, "inputs")
-    cfg = policy.resolved_loss_scale
+    return functools.partial(_numerics_run, model, owner, key, loss_fn, opt_state, has_aux, every, watching,
+                             attribution in (True, "inputs"), policy.resolved_loss_scale)
 
-    def run(target: Any, *args: Any) -> tuple[Any, Any, Numerics]:
-        def call(p: Any, watch: _Watch | None) -> Any:
-            token = _WATCH.set(watch)
-            try:
-                return loss_fn(p, *args)
-            finally:
-                _WATCH.reset(token)
 
-        order, leaves, events = _discover(owner, key, call, target) if watching else ([], [], [])
-        probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
-        edges = {path: jnp.zeros((2,), jnp.float32) for path in order}
-        ls = loss_scale(opt_state)
+def _numerics_run(model: Applied | Any, owner: Any, key: Any, loss_fn: Callable[..., Any], opt_state: Any,
+                  has_aux: bool, every: int | None, watching: bool, watch_inputs: bool, cfg: Any,
+                  target: Any, *args: Any) -> tuple[Any, Any, Numerics]:
+    """One call of :func:`numerics`' step: the scaled value and gradients, then the statistics."""
 
-        def scaled(p: Any, both: Any) -> tuple[jax.Array, tuple]:
-            probes, edges = both
-            out = call(p, _Watch(owner, probes, inputs=watch_inputs, edges=edges) if watching else None)
-            loss, aux = out if has_aux else (out, None)
-            value = scale_loss(loss, opt_state)
-            return value, (loss, aux, value)
+    def call(p: Any, watch: _Watch | None) -> Any:
+        token = _WATCH.set(watch)
+        try:
+            return loss_fn(p, *args)
+        finally:
+            _WATCH.reset(token)
 
-        grad = jax.value_and_grad if key is None else sys.modules["flax.nnx"].value_and_grad
-        (_, (loss, aux, value)), (grads, (probe_grads, edge_grads)) = grad(scaled, argnums=(0, 1), has_aux=True)(
-            target, (probes, edges))
-        position, owned, compute = _owned_by_layer(model, key, grads, order)
-        layers = list(owned)
-        finite, skipped, bad_layer = _skip_decision(cfg, ls, owned)
-        sampled, counts, magnitudes = _sampled_statistics(every, finite, ls, owned, compute)
-        paths, (where, origin, out_flags, grad_flags) = _attribution(
-            finite, ~jnp.isfinite(value), order, leaves, events, layers, position, probe_grads, edge_grads,
-            bad_layer, watch_inputs)
-        stats = Numerics(step=ls.steps, loss=jnp.asarray(loss, jnp.float32), loss_scale=ls.scale,
-                         found_inf=~finite, skipped=skipped, sampled=sampled, counts=counts,
-                         magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
-                         where=where, origin=origin, layers=tuple(layers),
-                         sizes=tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers),
-                         compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves),
-                         watched=("inputs" if watch_inputs else "outputs") if watching else "none",
-                         order=tuple(order))
-        return ((loss, aux) if has_aux else loss), grads, stats
+    order, leaves, events = _discover(owner, key, call, target) if watching else ([], [], [])
+    probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
+    edges = {path: jnp.zeros((2,), jnp.float32) for path in order}
+    ls = loss_scale(opt_state)
 
-    return run
+    def scaled(p: Any, both: Any) -> tuple[jax.Array, tuple]:
+        probes, edges = both
+        out = call(p, _Watch(owner, probes, inputs=watch_inputs, edges=edges) if watching else None)
+        loss, aux = out if has_aux else (out, None)
+        value = scale_loss(loss, opt_state)
+        return value, (loss, aux, value)
+
+    grad = jax.value_and_grad if key is None else sys.modules["flax.nnx"].value_and_grad
+    (_, (loss, aux, value)), (grads, (probe_grads, edge_grads)) = grad(scaled, argnums=(0, 1), has_aux=True)(
+        target, (probes, edges))
+    position, owned, compute = _owned_by_layer(model, key, grads, order)
+    layers = list(owned)
+    finite, skipped, bad_layer = _skip_decision(cfg, ls, owned)
+    sampled, counts, magnitudes = _sampled_statistics(every, finite, ls, owned, compute)
+    paths, (where, origin, out_flags, grad_flags) = _attribution(
+        finite, ~jnp.isfinite(value), order, leaves, events, layers, position, probe_grads, edge_grads,
+        bad_layer, watch_inputs)
+    stats = Numerics(step=ls.steps, loss=jnp.asarray(loss, jnp.float32), loss_scale=ls.scale,
+                     found_inf=~finite, skipped=skipped, sampled=sampled, counts=counts,
+                     magnitudes=magnitudes, output_nonfinite=out_flags, gradient_nonfinite=grad_flags,
+                     where=where, origin=origin, layers=tuple(layers),
+                     sizes=tuple(sum(int(np.prod(g.shape)) for g in owned[p]) for p in layers),
+                     compute_dtypes=tuple(compute[p] for p in layers), paths=paths, leaves=tuple(leaves),
+                     watched=("inputs" if watch_inputs else "outputs") if watching else "none",
+                     order=tuple(order))
+    return ((loss, aux) if has_aux else loss), grads, stats
 
 
 def _numerics_target(model: Any) -> tuple[Any, Any, Any]:
@@ -226,7 +207,7 @@ def _numerics_target(model: Any) -> tuple[Any, Any, Any]:
     nnx = sys.modules.get("flax.nnx")
     key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
     if isinstance(model, Applied):
-        return model._resolver, model.policy, None
+        return model.resolver, model.policy, None
     if key is not None:
         return key, key.plan.policy, key
     raise TypeError("ampbridge.jax.numerics needs the model ampbridge.jax.apply returned (the Applied "
@@ -266,7 +247,7 @@ def _owned_by_layer(model: Any, key: Any, grads: Any, order: list[str]
     leaves (in that order) and the compute dtype of its Plan row."""
     if key is None:
         owned = owned_leaves(grads)
-        known = order or list(model._known)
+        known = order or model.known_paths()
     else:
         owned = {}
         for keypath, var in sys.modules["flax.nnx"].to_flat_state(grads):
@@ -279,7 +260,7 @@ def _owned_by_layer(model: Any, key: Any, grads: Any, order: list[str]
     layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
     owned = {p: owned[p] for p in layers}
     if key is None:
-        rows = model._rows_for_paths(layers)
+        rows = model.rows_for_paths(layers)
         compute = {p: rows[p].compute_dtype for p in layers}
     else:
         compute = {p: (key.plan[p] if p in key.plan else key.plan[""]).compute_dtype for p in layers}
@@ -517,18 +498,9 @@ class Monitor:
         Linen: the step's first ``carry`` outputs are its next call's first ``carry`` arguments
         (``params, opt_state``); NNX: the model and optimizer arguments (changed in place).
 
-        An unsampled step reads nothing from the device: the monitor keeps references to its
-        inputs and its loss-scale state. At the next sampled step it sends the loss-scale counters
-        of the steps since the last sampled one to the host (no wait) and reads them at the
-        sampled step after (or ``flush``/``close``), one read when none was skipped; a skipped
-        step left parameters and optimizer state as they were, so it is replayed from the state
-        after the sampled step before it, on the same inputs (PRNG keys included), with the
-        statistics program: its per-layer statistics and attribution are logged at its own step,
-        in step order. The price: the states after the last two sampled steps and up to
-        ``2 * every`` steps' inputs stay alive, a skip is logged up to ``2 * every`` steps late,
-        and a window with a skip is run again (up to ``every`` steps). Donated arguments cannot be
-        kept: do not donate the ``carry``. A linen carry that is not the last call's output (a
-        restored checkpoint) settles the steps before it (one read) and starts a new window.
+        An unsampled step reads nothing from the device; a skipped one is found one sample later
+        and replayed from the state after the sampled step before it (docs/jax.md, "Monitor":
+        what stays alive, how late a skip is logged). Do not donate the ``carry``.
 
         Example:
             >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, optax, tempfile, os, ampbridge
@@ -555,38 +527,39 @@ class Monitor:
         _check_wrap_args(step, carry, start)
         self._calls = start
         held_for: dict[tuple[type, ...], list[int]] = {}  # by argument types: no isinstance walk per step
+        return functools.partial(self._run_wrapped, step, carry, held_for)
 
-        def run(*args: Any, **kwargs: Any) -> Any:
-            kinds = tuple(map(type, args))
-            held = held_for.get(kinds)
-            if held is None:
-                nnx = sys.modules.get("flax.nnx")
-                held = held_for[kinds] = [k for k, a in enumerate(args) if nnx is not None and isinstance(a, nnx.Pytree)]
-            n = self._calls
-            self._calls = n + 1
-            sample = n % self.every == 0
-            self._before_call(step, carry, held, args, n, sample)
-            out = step(*args, sample=sample, **kwargs)
-            if held:
-                state_now = tuple(args[k] for k in held)
-            else:
-                if not isinstance(out, (tuple, list)) or len(out) < carry:
-                    raise ValueError(f"Monitor.wrap: the step returned {type(out).__name__}; with carry={carry} "
-                                     f"its first {carry} outputs are the next call's first arguments")
-                state_now = tuple(out[:carry])
-            if sample:
-                self._after_sampled(step, carry, held, n, out, state_now)
-            else:
-                rest = tuple(a for k, a in enumerate(args) if k not in held) if held else args[carry:]
-                if kwargs:
-                    self._window.keywords[len(self._window.inputs)] = kwargs
-                self._window.inputs.append(rest)
-                self._window.states.append(_scale_state(state_now, self._window.scale_at)[0])
-                self._window.latest = state_now
-                self._count(n)
-            return out
-
-        return run
+    def _run_wrapped(self, step: Callable[..., Any], carry: int, held_for: dict[tuple[type, ...], list[int]],
+                     /, *args: Any, **kwargs: Any) -> Any:
+        """One call of :meth:`wrap`'s step: sampled or not by the call count, its state kept for a replay."""
+        kinds = tuple(map(type, args))
+        held = held_for.get(kinds)
+        if held is None:
+            nnx = sys.modules.get("flax.nnx")
+            held = held_for[kinds] = [k for k, a in enumerate(args) if nnx is not None and isinstance(a, nnx.Pytree)]
+        n = self._calls
+        self._calls = n + 1
+        sample = n % self.every == 0
+        self._before_call(step, carry, held, args, n, sample)
+        out = step(*args, sample=sample, **kwargs)
+        if held:
+            state_now = tuple(args[k] for k in held)
+        else:
+            if not isinstance(out, (tuple, list)) or len(out) < carry:
+                raise ValueError(f"Monitor.wrap: the step returned {type(out).__name__}; with carry={carry} "
+                                 f"its first {carry} outputs are the next call's first arguments")
+            state_now = tuple(out[:carry])
+        if sample:
+            self._after_sampled(step, carry, held, n, out, state_now)
+        else:
+            rest = tuple(a for k, a in enumerate(args) if k not in held) if held else args[carry:]
+            if kwargs:
+                self._window.keywords[len(self._window.inputs)] = kwargs
+            self._window.inputs.append(rest)
+            self._window.states.append(_scale_state(state_now, self._window.scale_at)[0])
+            self._window.latest = state_now
+            self._count(n)
+        return out
 
     def _before_call(self, step: Callable[..., Any], carry: int, held: list[int], args: tuple, n: int,
                      sample: bool) -> None:

@@ -21,20 +21,20 @@ import numpy as np
 from ...core.matching import join_path
 from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, gc_paused, join_notes, stream_notes, with_note
 from ...core.policy import Policy
-from .cast import _cast_model_inputs, _cast_tree, _uncast_model_inputs
-from .environment import _DTYPES, FRAMEWORK, MATMUL_PRECISION, _is_float_array, _nnx
+from .cast import cast_model_inputs, cast_tree, uncast_model_inputs
+from .environment import DTYPES, FRAMEWORK, MATMUL_PRECISION, is_float_array, nnx_module
 from .layers import (
-    _author_dtypes,
-    _carried,
-    _class_name,
-    _facts,
-    _has_field,
-    _is_float_dtype_or_none,
-    _kind_and_source,
-    _row_notes,
+    author_dtypes,
+    carried,
+    class_name_of,
+    facts_of,
+    has_field,
+    is_float_dtype_or_none,
+    kind_and_source,
+    row_notes,
 )
-from .watch import (_edge, _finished, _inputs_bad, _watch, _watch_edge, _watch_inputs, _watch_output_gradients,
-                    _watch_outputs, _watched)
+from .watch import (edge_of, finished, nonfinite_inputs, watch_tree, watch_edge, watch_inputs, watch_output_gradients,
+                    watch_outputs, watched)
 
 
 def _nnx_path(parts: Sequence[Any]) -> str:
@@ -53,7 +53,7 @@ def _tree_mode_first(fn: Callable[..., Any], module: Any) -> Any:
 
 def _nnx_graph(module: Any) -> list[tuple[tuple, Any]]:
     """(path, value) of every node and leaf, each shared one once (where first met)."""
-    return _tree_mode_first(lambda m, graph: list(_nnx().iter_graph(m, graph=graph)), module)
+    return _tree_mode_first(lambda m, graph: list(nnx_module().iter_graph(m, graph=graph)), module)
 
 
 class _NnxModel(NamedTuple):
@@ -66,7 +66,7 @@ class _NnxModel(NamedTuple):
 
 def _nnx_layers(module: Any) -> _NnxModel:
     """One walk of an NNX model: its layers, their instances, and every parameter's owner."""
-    nnx = _nnx()
+    nnx = nnx_module()
     modules: list[tuple[str, Any]] = []
     params: dict[str, tuple[Any, Any]] = {}
     stats: list[Any] = []
@@ -88,13 +88,13 @@ def _nnx_layers(module: Any) -> _NnxModel:
         owners[path] = owner
         counts[owner] = counts.get(owner, 0) + int(np.size(value))
     fixed = _nnx_author_dtypes(module, modules)
-    layers = [Layer(path, kind, _class_name(m), counts.get(path, 0), source, fixed.get(path))
-              for path, m in modules for kind, source in (_kind_and_source(m, "nnx"),)]
+    layers = [Layer(path, kind, class_name_of(m), counts.get(path, 0), source, fixed.get(path))
+              for path, m in modules for kind, source in (kind_and_source(m, "nnx"),)]
     return _NnxModel(layers, instances, owners, params, stats)
 
 
 def _nnx_author_dtypes(model: Any, modules: list[tuple[str, Any]]) -> dict[str, tuple[str, str]]:
-    """path -> the (dtype, param_dtype) the model's code fixed (:func:`_author_dtypes`; the enclosing
+    """path -> the (dtype, param_dtype) the model's code fixed (:func:`author_dtypes`; the enclosing
     modules' ``dtype`` and configuration as the model holds them). A copy ampbridge already applied
     holds its Plan's dtypes instead of the author's: its Plan's ``set by the model`` rows stand for them."""
     key = _nnx_key(model)
@@ -104,7 +104,7 @@ def _nnx_author_dtypes(model: Any, modules: list[tuple[str, Any]]) -> dict[str, 
     handed: dict[str, tuple[set[str], bool]] = {}  # path -> what it and its ancestors hand down, configured
     fixed = {}
     for path, m in modules:  # parents first
-        own = (_carried(m), _has_field(m, "dtype"))
+        own = (carried(m), has_field(m, "dtype"))
         if not path:
             handed[path] = own
             continue
@@ -112,7 +112,7 @@ def _nnx_author_dtypes(model: Any, modules: list[tuple[str, Any]]) -> dict[str, 
         while parent not in handed and parent:
             parent = parent.rsplit(".", 1)[0] if "." in parent else ""
         above, configured = handed.get(parent, (set(), False))
-        author = _author_dtypes(m, above, configured or bool(above))
+        author = author_dtypes(m, above, configured or bool(above))
         if author is not None:
             fixed[path] = author
         handed[path] = (above | own[0], configured or own[1])
@@ -131,7 +131,7 @@ def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[st
 
     def adjust(row: PlanRow) -> PlanRow:
         stream = streams(row)  # from the requested row
-        row = _row_notes(row, _facts(instances.get(row.path)), policy.output_dtype)
+        row = row_notes(row, facts_of(instances.get(row.path)), policy.output_dtype)
         return with_note(row, join_notes(stream, row.note)) if stream else row
 
     return build_plan(layers, policy, framework=FRAMEWORK, warn=warn, notes=plan_notes, adjust=adjust)
@@ -140,7 +140,7 @@ def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[st
 def _nnx_caller(path: str, instances: Mapping[str, Any]) -> str | None:
     """The nearest enclosing callable module (its own code calls the one at ``path``), or None
     where an ``nnx.Sequential`` feeds it (the next module casts its inputs itself)."""
-    sequential = getattr(_nnx(), "Sequential", ())
+    sequential = getattr(nnx_module(), "Sequential", ())
     while path:
         path = path.rsplit(".", 1)[0] if "." in path else ""
         module = instances.get(path)
@@ -159,7 +159,7 @@ def _own_variables(module: Any, kind: Any = None) -> list[Any]:
     """The Params (or other ``kind`` of Variable) a module's own methods read: its attributes,
     through containers and non-callable modules (``nnx.List``), but not through callable
     submodules (they cast their own)."""
-    nnx = _nnx()
+    nnx = nnx_module()
     kind = nnx.Param if kind is None else kind
     out: list[Any] = []
     seen: set[int] = set()
@@ -204,7 +204,7 @@ def _nnx_methods(cls: type) -> tuple[str, ...]:
     """The methods of ``cls`` that compute with the module: ``__call__`` and every public plain
     function defined by a class of its own (not by ``nnx.Module`` and its bases), e.g. Gemma's
     ``attend``, a model's ``encode``/``decode``, attention's ``init_cache``."""
-    base = set(_nnx().Module.__mro__)
+    base = set(nnx_module().Module.__mro__)
     names: dict[str, None] = {}
     for klass in cls.__mro__:
         if klass in base:
@@ -222,9 +222,9 @@ _ACTIVE = threading.local()  # ids of the modules whose wrapped method is runnin
 def _cast_caches(module: Any, compute: Any) -> None:
     """A module's own floating ``nnx.Cache`` variables into its compute dtype (the decode-cache rule:
     the keys written into a cache are in the compute dtype; ``init_cache`` creates float32)."""
-    for var in _own_variables(module, _nnx().Cache):
+    for var in _own_variables(module, nnx_module().Cache):
         value = var.get_value()
-        if _is_float_array(value) and value.dtype != compute:
+        if is_float_array(value) and value.dtype != compute:
             var.set_value(value.astype(compute))
 
 
@@ -234,25 +234,25 @@ def _wrap_method(name: str, original: Callable) -> Callable:
         if active is None:
             active = _ACTIVE.ids = set()
         compute_name, output_name, final_name, precision, scope, path, key = self._ampbridge_row
-        compute = _DTYPES[compute_name]
+        compute = DTYPES[compute_name]
         outermost = not active
         # its inputs as its caller made them (a cast at its entry is its own: seen in its output)
-        edge = _edge(key, path) if id(self) not in active else None
+        edge = edge_of(key, path) if id(self) not in active else None
         if outermost:
             _ACTIVE.model_inputs = {}
-            inputs_bad = _inputs_bad((args, kwargs), edge)
-            args, kwargs = _cast_model_inputs((args, kwargs), compute, _ACTIVE.model_inputs)
+            inputs_bad = nonfinite_inputs((args, kwargs), edge)
+            args, kwargs = cast_model_inputs((args, kwargs), compute, _ACTIVE.model_inputs)
         else:
-            args, kwargs = _uncast_model_inputs((args, kwargs), getattr(_ACTIVE, "model_inputs", {}), compute)
-            inputs_bad = _inputs_bad((args, kwargs), edge)
-            args, kwargs = _cast_tree((args, kwargs), compute)
+            args, kwargs = uncast_model_inputs((args, kwargs), getattr(_ACTIVE, "model_inputs", {}), compute)
+            inputs_bad = nonfinite_inputs((args, kwargs), edge)
+            args, kwargs = cast_tree((args, kwargs), compute)
         if id(self) in active:  # one of its own methods calling another: parameters already cast
-            out = _cast_tree(original(self, *args, **kwargs), _DTYPES[output_name])
-            return out if final_name is None else _cast_tree(out, _DTYPES[final_name])
-        watch = _watched(key, path)
+            out = cast_tree(original(self, *args, **kwargs), DTYPES[output_name])
+            return out if final_name is None else cast_tree(out, DTYPES[final_name])
+        watch = watched(key, path)
         if watch is not None and watch[1]:
-            args, kwargs = _watch(_watch_inputs, (args, kwargs), watch[0])
-        own = [v for v in _own_variables(self) if _is_float_array(v.get_value())
+            args, kwargs = watch_tree(watch_inputs, (args, kwargs), watch[0])
+        own = [v for v in _own_variables(self) if is_float_array(v.get_value())
                and v.get_value().dtype != compute]
         stored = [v.get_value() for v in own]
         for var, value in zip(own, stored):
@@ -270,13 +270,13 @@ def _wrap_method(name: str, original: Callable) -> Callable:
             for var, value in zip(own, stored):
                 var.set_value(value)
         _cast_caches(self, compute)
-        out = _cast_tree(out, _DTYPES[output_name])
+        out = cast_tree(out, DTYPES[output_name])
         if final_name is not None:
-            out = _cast_tree(out, _DTYPES[final_name])
+            out = cast_tree(out, DTYPES[final_name])
         if watch is not None:
-            out = _watch(_watch_outputs if watch[1] else _watch_output_gradients, out, watch[0])
-        out = _watch_edge(out, edge, inputs_bad)
-        _finished(key, path)
+            out = watch_tree(watch_outputs if watch[1] else watch_output_gradients, out, watch[0])
+        out = watch_edge(out, edge, inputs_bad)
+        finished(key, path)
         return out
 
     method.__name__ = name
@@ -348,7 +348,7 @@ def _nnx_copy(module: Any) -> Any:
     """A copy with its own modules and Variables (arrays shared): Flax's ``nnx.clone``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _tree_mode_first(_nnx().clone, module)
+        return _tree_mode_first(nnx_module().clone, module)
 
 
 def _set_static(module: Any, name: str, value: Any) -> None:
@@ -367,12 +367,12 @@ def _apply_nnx(model: Any, policy: Policy, notes: tuple[str, ...], described: _N
     plan_ = _nnx_plan(model, policy, warn=True, notes=notes, described=described)
     _, instances, owners, params, stats = described
     for path, (var, value) in params.items():
-        want = _DTYPES[plan_[owners[path]].param_dtype]
-        if _is_float_array(value) and value.dtype != want:
+        want = DTYPES[plan_[owners[path]].param_dtype]
+        if is_float_array(value) and value.dtype != want:
             var.set_value(value.astype(want))
     for var in stats:
         value = var.get_value()
-        if _is_float_array(value) and value.dtype != jnp.float32:
+        if is_float_array(value) and value.dtype != jnp.float32:
             var.set_value(value.astype(jnp.float32))
     precision = MATMUL_PRECISION[policy.matmul_precision]
     key = _shared_key(plan_, owners)
@@ -388,13 +388,13 @@ def _apply_nnx(model: Any, policy: Policy, notes: tuple[str, ...], described: _N
 
     for path, sub in instances.items():
         row = plan_[path]
-        for name, value in (("dtype", _DTYPES[row.compute_dtype]), ("param_dtype", _DTYPES[row.param_dtype])):
-            if name in vars(sub) and _is_float_dtype_or_none(current := getattr(sub, name)) and current != value:
+        for name, value in (("dtype", DTYPES[row.compute_dtype]), ("param_dtype", DTYPES[row.param_dtype])):
+            if name in vars(sub) and is_float_dtype_or_none(current := getattr(sub, name)) and current != value:
                 _set_static(sub, name, value)
         if path in callable_paths:
             final = policy.output_dtype if path == "" else None
             caller = caller_of(path) if path else None
-            scope = _class_name(sub) if path == "" else path[len(caller) + 1:] if caller else path
+            scope = class_name_of(sub) if path == "" else path[len(caller) + 1:] if caller else path
             object.__setattr__(sub, "_ampbridge_row",
                                (row.compute_dtype, row.output_dtype, final, precision, scope, path, key))
             original = getattr(type(sub), "_ampbridge_original", type(sub))

@@ -13,8 +13,8 @@ from typing import Any
 from ...core.plan import Plan, build_plan
 from ...core.policy import Policy
 from .apply import Applied
-from .environment import FRAMEWORK, _phase_policy, resolve_policy
-from .layers import _tree_layers
+from .environment import FRAMEWORK, phase_policy, resolve_policy
+from .layers import tree_layers
 from .linen import _linen_plan
 from .nnx import _nnx_plan
 
@@ -36,7 +36,7 @@ def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = Tr
     if isinstance(model, Applied):
         return model.plan(*example_inputs, warn=warn, **kwargs)
     resolved, notes = resolve_policy(policy, warn=warn)
-    resolved = _phase_policy(resolved)
+    resolved = phase_policy(resolved)
     linen = sys.modules.get("flax.linen")
     nnx = sys.modules.get("flax.nnx")
     if linen is not None and isinstance(model, linen.Module):
@@ -44,6 +44,6 @@ def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = Tr
     if nnx is not None and isinstance(model, nnx.Module):
         return _nnx_plan(model, resolved, warn=warn, notes=notes)
     if isinstance(model, Mapping):
-        return build_plan(_tree_layers(model), resolved, framework=FRAMEWORK, warn=warn, notes=notes)
+        return build_plan(tree_layers(model), resolved, framework=FRAMEWORK, warn=warn, notes=notes)
     raise TypeError(f"ampbridge.jax.plan: cannot plan a {type(model).__qualname__}; accepted: a "
                     "flax.linen.Module (with example inputs), a flax.nnx.Module, or a dict of arrays")

@@ -87,8 +87,7 @@ class Schedule:
 
     def _model_for(self, key: int | None) -> Applied:
         policy = self._policy_of(key)
-        return Applied(self.amp.module, policy, _phase=(None, None), _schedule=policy, _notes=self.amp.notes,
-                       _known=self.amp._known)
+        return self.amp.phase_model(policy)
 
     def model(self, *, step: int | None = None, epoch: int | None = None) -> Applied:
         """The :class:`Applied` model of the phase in force."""

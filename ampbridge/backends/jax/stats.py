@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core.matching import join_path
-from .layers import _key_name
+from .layers import key_name
 from .loss_scale import _F32_INF_BITS, _f32_bits
 
 _F32_ABS = 0x7FFFFFFF
@@ -95,7 +95,7 @@ def owned_leaves(grads: Any) -> dict[str, list]:
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
             continue
-        owner = join_path(*[_key_name(k) for k in keypath[:-1]])
+        owner = join_path(*[key_name(k) for k in keypath[:-1]])
         owned.setdefault(owner, []).append(leaf)
     return owned
 

@@ -2,8 +2,8 @@
 traces a model, and the identities whose backward passes report a module's non-finite output or
 gradient through the gradient of a dummy probe. Used by the linen interceptor and the NNX calls.
 
-Holds: _Watch, _WATCH, _watched, _edge, _finished, _watch, _watch_outputs, _watch_output_gradients,
-_watch_inputs, _watch_values, _inputs_bad, _watch_edge, _boundary_origin, _first_boundary.
+Holds: _Watch, _WATCH, watched, edge_of, finished, watch_tree, watch_outputs, watch_output_gradients,
+watch_inputs, _watch_values, nonfinite_inputs, watch_edge, _boundary_origin, _first_boundary.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .environment import _is_float_array
+from .environment import is_float_array
 from .loss_scale import _all_finite
 
 
@@ -37,7 +37,7 @@ class _Watch:
 _WATCH: "contextvars.ContextVar[_Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
 
 
-def _watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
+def watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
     """(probe, watch inputs) for the module at ``path`` while :func:`numerics` traces this model."""
     watch = _WATCH.get()
     if watch is None or watch.owner is not owner:
@@ -50,7 +50,7 @@ def _watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
     return None if probe is None else (probe, watch.inputs)
 
 
-def _edge(owner: Any, path: str) -> jax.Array | None:
+def edge_of(owner: Any, path: str) -> jax.Array | None:
     """The boundary probe of the module at ``path`` while :func:`numerics` traces this model."""
     watch = _WATCH.get()
     if watch is None or watch.owner is not owner or watch.edges is None:
@@ -58,7 +58,7 @@ def _edge(owner: Any, path: str) -> jax.Array | None:
     return watch.edges.get(path)
 
 
-def _finished(owner: Any, path: str) -> None:
+def finished(owner: Any, path: str) -> None:
     """Discovery: the module at ``path`` returned (its output's place in the order of events)."""
     watch = _WATCH.get()
     if watch is not None and watch.owner is owner and watch.probes is None:
@@ -76,30 +76,30 @@ def _flags(forward: Any, backward: Any) -> jax.Array:
 # Identities whose backward passes report through the gradient of a dummy ``probe`` (2,):
 # [0] counts calls whose forward output was non-finite (a residual of the forward pass, so it
 # crosses scan/remat boundaries like any gradient); [1] calls whose input cotangent was
-# (``_watch_inputs``) or, with ``_watch_output_gradients``, whose output cotangent was.
+# (``watch_inputs``) or, with ``watch_output_gradients``, whose output cotangent was.
 @jax.custom_vjp
-def _watch_outputs(xs: tuple, probe: jax.Array) -> tuple:
+def watch_outputs(xs: tuple, probe: jax.Array) -> tuple:
     return xs
 
 
-_watch_outputs.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)), lambda bad, ct: (ct, _flags(bad, 0)))
+watch_outputs.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)), lambda bad, ct: (ct, _flags(bad, 0)))
 
 
 @jax.custom_vjp
-def _watch_output_gradients(xs: tuple, probe: jax.Array) -> tuple:
+def watch_output_gradients(xs: tuple, probe: jax.Array) -> tuple:
     return xs
 
 
-_watch_output_gradients.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)),
+watch_output_gradients.defvjp(lambda xs, probe: (xs, _any_nonfinite(xs)),
                                lambda bad, ct: (ct, _flags(bad, _any_nonfinite(ct))))
 
 
 @jax.custom_vjp
-def _watch_inputs(xs: tuple, probe: jax.Array) -> tuple:
+def watch_inputs(xs: tuple, probe: jax.Array) -> tuple:
     return xs
 
 
-_watch_inputs.defvjp(lambda xs, probe: (xs, None), lambda _, ct: (ct, _flags(0, _any_nonfinite(ct))))
+watch_inputs.defvjp(lambda xs, probe: (xs, None), lambda _, ct: (ct, _flags(0, _any_nonfinite(ct))))
 
 
 @jax.custom_vjp
@@ -123,24 +123,24 @@ def _watch_values_bwd(res: tuple, ct: tuple) -> tuple:
 _watch_values.defvjp(_watch_values_fwd, _watch_values_bwd)
 
 
-def _inputs_bad(tree: Any, probe: jax.Array | None) -> jax.Array | None:
+def nonfinite_inputs(tree: Any, probe: jax.Array | None) -> jax.Array | None:
     """Whether a module's float inputs hold a non-finite value (0./1.), where it has a boundary probe."""
     if probe is None:
         return None
-    floats = [x for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x)]
+    floats = [x for x in jax.tree_util.tree_leaves(tree) if is_float_array(x)]
     return jnp.asarray(_any_nonfinite(floats), jnp.float32) if floats else jnp.zeros((), jnp.float32)
 
 
-def _watch_edge(tree: Any, probe: jax.Array | None, inputs_bad: jax.Array | None) -> Any:
+def watch_edge(tree: Any, probe: jax.Array | None, inputs_bad: jax.Array | None) -> Any:
     """A module's output with its boundary flags attached (see :func:`_watch_values`)."""
     if probe is None:
         return tree
-    return _watch(lambda xs, p: _watch_values(xs, p, jax.lax.stop_gradient(inputs_bad)), tree, probe)
+    return watch_tree(lambda xs, p: _watch_values(xs, p, jax.lax.stop_gradient(inputs_bad)), tree, probe)
 
 
-def _watch(fn: Callable, tree: Any, probe: jax.Array) -> Any:
+def watch_tree(fn: Callable, tree: Any, probe: jax.Array) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    picked = [i for i, x in enumerate(leaves) if _is_float_array(x)]
+    picked = [i for i, x in enumerate(leaves) if is_float_array(x)]
     if not picked:
         return tree
     for i, x in zip(picked, fn(tuple(leaves[i] for i in picked), probe)):

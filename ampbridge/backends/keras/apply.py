@@ -1,8 +1,5 @@
 """Realising the Plan on a Keras model: layer dtype policies, re-cast variables, output casts
 (one ``call`` wrapper per layer, which the monitor's probes share), and building under a policy.
-
-Names: ``apply``, ``scope``; ``_call_wrapper``, ``_drop_idle_wrapper``, ``_WRAPPER``, ``_is_float``,
-``_refresh_compiled``, ``_rebuild_hook``.
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from . import fp8
 from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
-from .layers import _AUTHOR, _AUTO, _code_caller, _describe, kind_of, walk
-from .plan import _FLOATS, _same_policy, _streams, dtype_policy
+from .layers import AUTHOR, AUTO, _code_caller, describe, kind_of, walk
+from .plan import FLOATS, same_policy, stream_meetings, dtype_policy
 from .policy_map import carry_pins
 
 
@@ -39,7 +36,7 @@ def _is_float(x: Any) -> bool:
     if dtype is None:
         return False
     try:
-        return keras.backend.standardize_dtype(dtype) in _FLOATS
+        return keras.backend.standardize_dtype(dtype) in FLOATS
     except ValueError:
         return False
 
@@ -163,7 +160,7 @@ def _recast_variables(layer: Any, old_dtype: str, new_dtype: str) -> bool:
     """Re-create the layer's own variables that follow its policy in ``new_dtype``, values kept."""
     changed = False
     for v in layer._trainable_variables + layer._non_trainable_variables:
-        if keras.backend.standardize_dtype(v._dtype) != old_dtype or old_dtype not in _FLOATS:
+        if keras.backend.standardize_dtype(v._dtype) != old_dtype or old_dtype not in FLOATS:
             continue  # created with an explicit dtype (int counters, float32 LoRA...): left alone
         value = ops.cast(v.value, new_dtype)
         v._dtype = new_dtype
@@ -236,48 +233,64 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     policy, _ = resolve_policy(policy, warn=warn)
     active = _phase0(policy)
     set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
-    described, by_path = _describe(model)
+    described, by_path = describe(model)
     requested = build_plan(described, active, framework="keras", warn=warn)
     optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
-    streams = _streams(active, by_path)  # rows whose output meets their caller's stream of another dtype
+    streams = stream_meetings(active, by_path)  # rows whose output meets their caller's stream of another dtype
     callers = {_code_caller(row.path, by_path) for row in requested if streams(row) is not None}
     _set_promotion(by_path, {c for c in callers if c is not None} if _backend() == "tensorflow" else set())
     recast = False
     rules = dict(active.rules)
     for row in requested:
-        layer = by_path[row.path]
-        if getattr(layer.dtype_policy, "quantization_mode", None) is not None:
-            if (layer.compute_dtype, layer.variable_dtype) != (row.compute_dtype, row.param_dtype):
-                raise UnsupportedOptionError(
-                    f"layer {row.path or '(model)'!r} is quantized ({layer.dtype_policy.name}); ampbridge "
-                    f"cannot give it compute_dtype={row.compute_dtype}, param_dtype={row.param_dtype}")
-            continue
-        new = dtype_policy(row.compute_dtype, row.param_dtype)
-        old_variable_dtype = layer.variable_dtype
-        current = layer.dtype_policy
-        if isinstance(current, keras.dtype_policies.DTypePolicyMap) and layer.path:
-            current = current[layer.path]  # the layer's own entry (or the map's default)
-        if not _same_policy(current, new):
-            if layer.built and old_variable_dtype != row.param_dtype and (
-                    layer._trainable_variables or layer._non_trainable_variables):
-                if optimizer_built:
-                    raise UnsupportedOptionError(
-                        f"param_dtype={row.param_dtype} for layer {row.path or '(model)'!r}: its variables "
-                        f"are {old_variable_dtype} and the model's optimizer is already built on them; "
-                        "apply the policy before compiling/training, or build the model under "
-                        "ampbridge.keras.scope(policy)")
-                recast |= _recast_variables(layer, old_variable_dtype, row.param_dtype)
-            layer.dtype_policy = new
-            _recast_constants(layer)
-        # only the model's outputs and a rule's output_dtype are cast: native Keras casts nothing at
-        # a layer's output, so a composite emits what its own code computes (keras-hub BERT's
-        # post-norm encoder: its pinned norm's float32), as the hand-pinned model does
-        _set_output_cast(layer, _output_cast(row, policy, rules))
-        if not layer.built:
-            _rebuild_hook(layer, model, policy)
+        recast |= _apply_row(by_path[row.path], row, model, policy, rules, optimizer_built)
     recast |= fp8.realise(model, active, requested, by_path)  # after the dtype policies: float8 keeps them
     if recast and _backend() == "torch":
         _refresh_torch_params(model)
+    _register_applied(model, policy, by_path)
+    monitor = model.__dict__.get("_ampbridge_monitor")
+    if monitor is not None:
+        monitor._refresh()  # the rows' compute dtypes decide the underflow/overflow thresholds
+    _refresh_compiled(model)
+    return model
+
+
+def _apply_row(layer: Any, row: Any, model: Any, policy: Policy, rules: dict, optimizer_built: bool) -> bool:
+    """Give one layer its row's dtype policy and output cast; True where its variables were re-created."""
+    if getattr(layer.dtype_policy, "quantization_mode", None) is not None:
+        if (layer.compute_dtype, layer.variable_dtype) != (row.compute_dtype, row.param_dtype):
+            raise UnsupportedOptionError(
+                f"layer {row.path or '(model)'!r} is quantized ({layer.dtype_policy.name}); ampbridge "
+                f"cannot give it compute_dtype={row.compute_dtype}, param_dtype={row.param_dtype}")
+        return False
+    recast = False
+    new = dtype_policy(row.compute_dtype, row.param_dtype)
+    old_variable_dtype = layer.variable_dtype
+    current = layer.dtype_policy
+    if isinstance(current, keras.dtype_policies.DTypePolicyMap) and layer.path:
+        current = current[layer.path]  # the layer's own entry (or the map's default)
+    if not same_policy(current, new):
+        if layer.built and old_variable_dtype != row.param_dtype and (
+                layer._trainable_variables or layer._non_trainable_variables):
+            if optimizer_built:
+                raise UnsupportedOptionError(
+                    f"param_dtype={row.param_dtype} for layer {row.path or '(model)'!r}: its variables "
+                    f"are {old_variable_dtype} and the model's optimizer is already built on them; "
+                    "apply the policy before compiling/training, or build the model under "
+                    "ampbridge.keras.scope(policy)")
+            recast = _recast_variables(layer, old_variable_dtype, row.param_dtype)
+        layer.dtype_policy = new
+        _recast_constants(layer)
+    # only the model's outputs and a rule's output_dtype are cast: native Keras casts nothing at
+    # a layer's output, so a composite emits what its own code computes (keras-hub BERT's
+    # post-norm encoder: its pinned norm's float32), as the hand-pinned model does
+    _set_output_cast(layer, _output_cast(row, policy, rules))
+    if not layer.built:
+        _rebuild_hook(layer, model, policy)
+    return recast
+
+
+def _register_applied(model: Any, policy: Policy, by_path: dict) -> None:
+    # each layer remembers its model (a nested apply is refused); the model carries its policy
     for path, layer in by_path.items():
         if path:
             _APPLIED[layer] = (path, type(model).__name__, weakref.ref(model))
@@ -287,11 +300,6 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         carry_pins(model)  # plain Keras rebuilds a keras-hub backbone's pins from its saved config
     except AttributeError:  # pragma: no cover - exotic layer classes
         pass
-    monitor = model.__dict__.get("_ampbridge_monitor")
-    if monitor is not None:
-        monitor._refresh()  # the rows' compute dtypes decide the underflow/overflow thresholds
-    _refresh_compiled(model)
-    return model
 
 
 _POLICY_ASSET = "ampbridge_policy.json"
@@ -313,9 +321,9 @@ def _attach_policy_asset(model: Any) -> None:
         policy = getattr(owner, "_ampbridge_policy", None)
         if policy is not None:
             # the author's dtypes too: a layer made from a saved config cannot tell them apart
-            fixed = {path: list(layer.__dict__[_AUTHOR]) for path, layer in walk(owner)
-                     if layer.__dict__.get(_AUTHOR) is not None}
-            auto = sorted({layer.name for _, layer in walk(owner) if layer.__dict__.get(_AUTO) == layer.name})
+            fixed = {path: list(layer.__dict__[AUTHOR]) for path, layer in walk(owner)
+                     if layer.__dict__.get(AUTHOR) is not None}
+            auto = sorted({layer.name for _, layer in walk(owner) if layer.__dict__.get(AUTO) == layer.name})
             with open(os.path.join(str(dir_path), _POLICY_ASSET), "w", encoding="utf-8") as f:
                 json.dump({"format": 1, "policy": policy.to_dict(), "set_by_the_model": fixed,
                            "automatic_names": auto}, f)

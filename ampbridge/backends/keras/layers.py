@@ -3,7 +3,7 @@
 
 Names: ``walk`` (``(path, keras layer)`` pairs), ``layers`` (core ``Layer`` descriptors), ``kind_of``,
 ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
-``_children``, ``_own_params``, ``_describe``. Kinds: ``ampbridge_kind``, ``register_kind``, Keras's classes, then
+``_children``, ``_own_params``, ``describe``. Kinds: ``ampbridge_kind``, ``register_kind``, Keras's classes, then
 the core's inference from the class's and its bases' names (:mod:`ampbridge.core.kinds`).
 """
 
@@ -66,7 +66,7 @@ def _snake_case(name: str) -> str:
     return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
 
 
-_AUTO = "_ampbridge_automatic_name"  # in a layer's __dict__: the name Keras made up for it
+AUTO = "_ampbridge_automatic_name"  # in a layer's __dict__: the name Keras made up for it
 
 
 def _record_automatic_names() -> None:
@@ -83,7 +83,7 @@ def _record_automatic_names() -> None:
     def __init__(self: Any, name: Any = None) -> None:
         original(self, name=name)
         if name is None:
-            object.__setattr__(self, _AUTO, self.name)
+            object.__setattr__(self, AUTO, self.name)
 
     __init__._ampbridge_records = True  # type: ignore[attr-defined]
     keras.Operation.__init__ = __init__
@@ -92,15 +92,15 @@ def _record_automatic_names() -> None:
 _record_automatic_names()
 
 
-def _mark_automatic(layer: Any) -> None:
+def mark_automatic(layer: Any) -> None:
     """Treat ``layer``'s name as one Keras made up (a file ampbridge saved says which were)."""
-    object.__setattr__(layer, _AUTO, layer.name)
+    object.__setattr__(layer, AUTO, layer.name)
 
 
 def _auto_prefix(layer: Any) -> str | None:
     """The class's automatic-name prefix if ``layer.name`` is one Keras made up (``dense_7``: the
     prefix and a process-wide counter), else None (the user's name)."""
-    if layer.__dict__.get(_AUTO) != layer.name:  # given by hand, or renamed since
+    if layer.__dict__.get(AUTO) != layer.name:  # given by hand, or renamed since
         return None
     prefix = _snake_case(type(layer).__name__)
     return prefix if re.fullmatch(re.escape(prefix) + r"(_\d+)?", layer.name) else None
@@ -151,7 +151,7 @@ def _own_params(layer: Any) -> int:
     return sum(int(np.prod(v.shape)) for v in layer._trainable_variables + layer._non_trainable_variables)
 
 
-_AUTHOR = "_ampbridge_author_dtypes"  # kept in the layer's __dict__: read before ampbridge changes it
+AUTHOR = "_ampbridge_author_dtypes"  # kept in the layer's __dict__: read before ampbridge changes it
 _ORIGINAL = "_ampbridge_original_policy"  # the layer's policy name when first seen
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -205,8 +205,8 @@ def author_dtypes(layer: Any, parent: Any = None) -> tuple[str, str] | None:
         >>> author_dtypes(keras.layers.Activation("softmax")) is None
         True
     """
-    if _AUTHOR in layer.__dict__:
-        return layer.__dict__[_AUTHOR]
+    if AUTHOR in layer.__dict__:
+        return layer.__dict__[AUTHOR]
     object.__setattr__(layer, _ORIGINAL, getattr(layer.dtype_policy, "name", None))
     fixed = None
     policy = layer.dtype_policy
@@ -226,7 +226,7 @@ def author_dtypes(layer: Any, parent: Any = None) -> tuple[str, str] | None:
                 fixed = None
     if fixed is not None and not (fixed[0] in _FLOAT_DTYPES and fixed[1] in _FLOAT_DTYPES):
         fixed = None
-    object.__setattr__(layer, _AUTHOR, fixed)
+    object.__setattr__(layer, AUTHOR, fixed)
     return fixed
 
 
@@ -240,10 +240,10 @@ def layers(model: Any) -> list[Layer]:
         >>> [(layer.path, layer.kind, layer.param_count) for layer in layers(m)]
         [('', None, 0), ('head', 'linear', 3)]
     """
-    return _describe(model)[0]
+    return describe(model)[0]
 
 
-def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
+def describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
     described, by_path = [], {}
     for path, layer in walk(model):
         kind, source = kind_and_source(layer)

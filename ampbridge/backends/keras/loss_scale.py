@@ -23,7 +23,7 @@ from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
 from ..private_hooks import tested_range
 from .distributed import agreed_finite, tf_apply
 from .environment import _backend, _phase0, resolve_policy
-from .numerics import _HEAD_SIZE, _ROW_SIZE, _grad_stats, _host, _MonitorSpec, _split_count, all_finite, finite_flags
+from .numerics import _HEAD_SIZE, _ROW_SIZE, grad_stats, host_value, _MonitorSpec, split_count, all_finite, finite_flags
 
 # --- the loss-scaling optimizer ---------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The loss-scale state as the core's :class:`ampbridge.LossScaleState` (reads values)."""
         if not self.built:
             return initial_state(self._config)
-        own = [_host(v) for v in self._state_variables]
+        own = [host_value(v) for v in self._state_variables]
         return LossScaleState(scale=float(own[1]), good_steps=int(own[0]), hysteresis_left=int(own[2]),
                               steps=int(own[3]), skipped=int(own[4]), nonfinite_streak=int(own[6]))
 
@@ -282,7 +282,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         if overflows is None:
             overflows = self.min_scale_overflows.value
-        count = int(_host(overflows))
+        count = int(host_value(overflows))
         if count <= self._overflows_seen:
             return
         first = self._overflows_seen == 0
@@ -382,8 +382,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         :class:`ampbridge.errors.UnsupportedOptionError` naming the Keras version otherwise."""
         grads = list(grads)
         eager = bool(grads) and _concrete(grads[0])
-        before = int(_host(self.inner_optimizer.iterations)) if eager else None
-        finite = bool(_host(all_finite(grads))) if eager else None
+        before = int(host_value(self.inner_optimizer.iterations)) if eager else None
+        finite = bool(host_value(all_finite(grads))) if eager else None
         self._step_verified, self._handed = True, None
         try:
             self.apply(grads, trainable_variables)
@@ -396,7 +396,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             problem = "never reached ampbridge's apply hooks"
         elif self._handed is not None and given and not self._handed:
             problem = f"handed the inner optimizer 0 of {given} gradients"
-        elif eager and finite and int(_host(self.inner_optimizer.iterations)) == before:
+        elif eager and finite and int(host_value(self.inner_optimizer.iterations)) == before:
             problem = "left the inner optimizer's iterations unchanged after a finite step"
         elif eager and not finite:
             self._step_verified = False  # a skipped step proves nothing: check the next one
@@ -547,7 +547,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self._restore_asset(json.load(f))
 
     def _asset(self) -> dict[str, Any]:
-        extra = dict(zip(_EXTRA_NAMES, (int(_host(v)) for v in self._extra_variables()))) if self.built else None
+        extra = dict(zip(_EXTRA_NAMES, (int(host_value(v)) for v in self._extra_variables()))) if self.built else None
         return {"format": 1, "loss_scale": self._loss_scale_dict(),
                 "policy": self.policy.to_dict() if self.policy is not None else None, "state": extra}
 
@@ -606,14 +606,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             sampled = ops.logical_or(ops.equal(ops.mod(steps, spec.every), 0), found_inf)
 
         def compute() -> Any:
-            rows = [_grad_stats([grads[p] for p in positions if grads[p] is not None], scale, compute_dtype,
+            rows = [grad_stats([grads[p] for p in positions if grads[p] is not None], scale, compute_dtype,
                                 sizes=[int(np.prod(variables[p].shape)) for p in positions if grads[p] is not None])
                     for compute_dtype, positions in stats_layout]
             return ops.stack(rows) if rows else ops.zeros_like(old_stats)
 
         new_stats = (compute() if sampled else old_stats) if isinstance(sampled, bool) else ops.cond(
             sampled, compute, lambda: old_stats)
-        step_hi, step_lo = _split_count(steps)
+        step_hi, step_lo = split_count(steps)
         head = ops.stack([step_hi, step_lo, scale, ops.cast(found_inf, "float32"), ops.cast(skipped, "float32"),
                           ops.cast(param_first, "float32"), ops.cast(sampled, "float32")])
         return head, new_stats

@@ -20,7 +20,7 @@ from .layers import _children, _code_caller, walk
 from .loss_scale import LossScaleOptimizer, _model_of, _replicas
 from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec, all_finite
 from .plan import plan
-from .sampling import _FitDispatch
+from .sampling import SamplingHooks, _FitDispatch
 
 # --- the numerics monitor -----------------------------------------------------------------------
 #
@@ -333,6 +333,15 @@ class Monitor:
         steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
         self.optimizer.attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
         _refresh_compiled(self.model)
+
+    def sampling_hooks(self) -> SamplingHooks:
+        """The monitor's side of ``fit``'s sampling dispatch (sampling.py): its unsampled mode, its
+        step counting and the logging of a step it could not replay."""
+        return SamplingHooks(unsampled=self._unsampled, count=self._count, unreplayed=self._unreplayed,
+                             expect=self._expect)
+
+    def _expect(self, step: int) -> None:
+        self._next_step = step
 
     @contextlib.contextmanager
     def _unsampled(self) -> Any:

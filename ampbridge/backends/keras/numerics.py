@@ -1,8 +1,8 @@
 """The numerics kernels the monitor's record is made of, in ``keras.ops`` inside the train step
 (the statistics of a layer's scaled gradients, counts as exact float32 pairs) and read on the host.
 
-Names: ``all_finite`` and ``finite_flags`` (the backend's one finite check), ``_grad_stats``, ``_all``,
-``_split_count``, ``_host``, ``_fetch``, ``_MonitorSpec``, and the record's layout (``_HEAD_SIZE``, ``_ROW_SIZE``, ``_SPLIT``).
+Names: ``all_finite`` and ``finite_flags`` (the backend's one finite check), ``grad_stats``, ``_all``,
+``split_count``, ``host_value``, ``_fetch``, ``_MonitorSpec``, and the record's layout (``_HEAD_SIZE``, ``_ROW_SIZE``, ``_SPLIT``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def all_finite(tensors: list[Any], flags: list[Any] | None = None) -> Any:
     return _all(finite_flags(tensors) if flags is None else flags)
 
 
-def _split_count(count: Any) -> tuple[Any, Any]:
+def split_count(count: Any) -> tuple[Any, Any]:
     count = ops.cast(count, "int32")
     hi = ops.floor_divide(count, _SPLIT)
     return ops.cast(hi, "float32"), ops.cast(ops.subtract(count, ops.multiply(hi, _SPLIT)), "float32")
@@ -64,7 +64,7 @@ def _dense(g: Any) -> Any:
     return g
 
 
-def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[int] | None = None) -> Any:
+def grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[int] | None = None) -> Any:
     """One layer's row of statistics of its scaled gradients (``_runlog.layer_stats``'s definitions).
 
     Max and RMS are of the finite scaled values (the host divides by the scale, in float64, as
@@ -110,13 +110,13 @@ def _grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[in
     over = count([ops.logical_and(f, ops.greater(a, top)) for a, f in zip(absolute, finite)])
     parts = [largest, rms]
     for c in (zero, ops.subtract(size, n_finite), under, over, size):
-        parts.extend(_split_count(c))
+        parts.extend(split_count(c))
     return ops.stack([ops.cast(p, "float32") for p in parts])
 
 
 # --- reading on the host ---------------------------------------------------------------------
 
-def _host(x: Any) -> np.ndarray:
+def host_value(x: Any) -> np.ndarray:
     """A tensor or variable's value on the host (a sync)."""
     if isinstance(x, keras.Variable):
         x = x.value
@@ -142,7 +142,7 @@ def _fetch(parts: list[Any]) -> np.ndarray:
 
         flat = torch.cat([ops.convert_to_tensor(p).detach().reshape(-1).float() for p in parts])
         return flat.cpu().numpy().astype(np.float64)
-    return _host(ops.concatenate([ops.reshape(ops.cast(p, "float32"), (-1,)) for p in parts])).astype(np.float64)
+    return host_value(ops.concatenate([ops.reshape(ops.cast(p, "float32"), (-1,)) for p in parts])).astype(np.float64)
 
 
 # --- what the optimizer computes the record from -----------------------------------------------

@@ -1,8 +1,8 @@
 """The Plan of a Keras model (the core's rules, plus the rows where Keras itself does otherwise),
 and the Keras dtype policy each row becomes.
 
-Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``_static_plan``,
-``_adjuster``, ``_streams``, ``_same_policy``, ``_FLOATS``.
+Names: ``plan``, ``dtype_policy``, ``MixedDTypePolicy``; ``static_plan``,
+``_adjuster``, ``stream_meetings``, ``same_policy``, ``FLOATS``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from ...core.plan import Plan, PlanRow, build_plan, stream_notes, with_note
 from ...core.policy import Policy
 from ..common import room_above
 from .environment import _backend, _phase0, resolve_policy
-from .layers import _code_caller, _describe
+from .layers import _code_caller, describe
 
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
+FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 # --- dtype policies ---------------------------------------------------------------------------
@@ -46,9 +46,9 @@ class MixedDTypePolicy(keras.DTypePolicy):
         compute, sep, variable = str(name).partition("/")
         if not sep:
             variable = compute
-        if compute not in _FLOATS or variable not in _FLOATS:
+        if compute not in FLOATS or variable not in FLOATS:
             raise ValueError(f"MixedDTypePolicy name must be '<compute>/<variable>' (or one dtype) with float "
-                             f"dtypes ({', '.join(_FLOATS)}); received name={name!r}")
+                             f"dtypes ({', '.join(FLOATS)}); received name={name!r}")
         return compute, variable
 
     def get_config(self) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def dtype_policy(compute_dtype: str, param_dtype: str) -> keras.DTypePolicy:
     return MixedDTypePolicy(f"{compute_dtype}/{param_dtype}")
 
 
-def _same_policy(a: Any, b: Any) -> bool:
+def same_policy(a: Any, b: Any) -> bool:
     return (getattr(a, "compute_dtype", None), getattr(a, "variable_dtype", None)) == (
         getattr(b, "compute_dtype", None), getattr(b, "variable_dtype", None))
 
@@ -83,7 +83,7 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
     backend = _backend()
     norms = tuple(getattr(keras.layers, n) for n in _INTERNAL_FLOAT32 if hasattr(keras.layers, n))
 
-    streams = _streams(policy, by_path)
+    streams = stream_meetings(policy, by_path)
 
     def adjust(row: PlanRow) -> PlanRow:
         layer, notes, changes = by_path[row.path], [], {}
@@ -121,7 +121,7 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
     return adjust
 
 
-def _streams(policy: Policy, by_path: dict[str, Any]):
+def stream_meetings(policy: Policy, by_path: dict[str, Any]):
     """``note(row) -> str | None``, fed the requested rows parents first: the core's
     :func:`~ampbridge.core.plan.stream_notes` with Keras's callers (:func:`_code_caller`): a layer
     called from another layer's own code (keras-hub's ``TransformerEncoder`` calling its norm)
@@ -149,13 +149,13 @@ def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = Tr
     """
     if example_inputs:
         return room_above(__package__, "trace").trace(model, policy, *example_inputs, warn=warn)
-    return _static_plan(model, policy, warn=warn)
+    return static_plan(model, policy, warn=warn)
 
 
-def _static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
+def static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     """The Plan from the model's structure alone (no forward runs)."""
     policy, notes = resolve_policy(policy, warn=warn)
-    described, by_path = _describe(model)
+    described, by_path = describe(model)
     from .fp8 import mark_rows
 
     built = build_plan(described, policy, framework=f"keras ({_backend()})",

@@ -27,7 +27,7 @@ from typing import Any
 import keras
 
 from ...errors import warn_once
-from .layers import _AUTHOR, _code_caller, walk
+from .layers import AUTHOR, _code_caller, walk
 from .plan import MixedDTypePolicy
 
 _CARRIER = "_ampbridge_carries_pins"  # in a layer's __dict__: its get_config writes the map
@@ -71,7 +71,7 @@ def _uncarried(layer: Any) -> dict[str, list[str]]:
         if not path or policy == own:
             continue
         if sub.path is None:
-            if sub.__dict__.get(_AUTHOR) != policy:
+            if sub.__dict__.get(AUTHOR) != policy:
                 out.setdefault("no Keras path", []).append(path)
             continue
         caller = _code_caller(path, by_path)

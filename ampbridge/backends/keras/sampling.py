@@ -6,9 +6,11 @@ in a sandbox; JAX: read in windows, replayed exactly from the window's saved sta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -17,7 +19,17 @@ from keras import ops
 from ...errors import AmpBridgeWarning, UnsupportedOptionError
 from ..common import read_host_scalar
 from .environment import _backend
-from .numerics import _host
+from .numerics import host_value
+
+
+class SamplingHooks(NamedTuple):
+    """What the dispatch may do to its monitor beyond the public ``record``: the one interface
+    between this room and monitor.py (``Monitor.sampling_hooks`` builds it)."""
+
+    unsampled: Callable[[], contextlib.AbstractContextManager[Any]]  # run and trace as if no monitor were attached
+    count: Callable[[int], None]  # an unread (finite) step seen: counted for the closing record
+    unreplayed: Callable[[int, float], None]  # a skipped step that could not be replayed: logged as such
+    expect: Callable[[int], None]  # the step the next record() is
 
 
 class _FitDispatch:
@@ -39,6 +51,7 @@ class _FitDispatch:
 
     def __init__(self, monitor: Any):  # a monitor.Monitor (imported there: no circle)
         self.monitor = monitor
+        self.hooks: SamplingHooks = monitor.sampling_hooks()
         model = monitor.model
         # Keras's TensorFlow and JAX trainers capture the train step when they make the function,
         # so `plain` enters the unsampled mode only while it is traced; its torch trainer (and JAX
@@ -46,7 +59,7 @@ class _FitDispatch:
         self._mode_each_call = _backend() == "torch" or getattr(keras.config, "is_nnx_enabled", lambda: False)()
         # JAX (Keras's own jit): unsampled steps are read late, at the next sample (see _late_step)
         self._late = _backend() == "jax" and not self._mode_each_call
-        self.plain = self._keras_train_function(model, monitor._unsampled, finite_out=self._late)
+        self.plain = self._keras_train_function(model, self.hooks.unsampled, finite_out=self._late)
         self.stats = self._keras_train_function(model)
         self._own_at: list[int] | None = None  # JAX: the loss-scale state's places in the optimizer values
         self._window: list[tuple[int, Any, Any]] = []  # JAX: (step, batch, finite flag) since _origin
@@ -140,7 +153,7 @@ class _FitDispatch:
             self.flush()
             opt.monitor_spec.host_step = step
             out = run(self.stats)
-            monitor._next_step = step
+            self.hooks.expect(step)
             if backend == "jax":
                 record = monitor.record(non_trainable_variables=out[1][1], optimizer_variables=out[1][2])
             else:
@@ -150,13 +163,13 @@ class _FitDispatch:
         if self._late:
             return self._late_step(step, args[0], data)
         if self._mode_each_call:
-            with monitor._unsampled():
+            with self.hooks.unsampled():
                 out = run(self.plain)
         else:
-            out = run(self.plain)  # traced inside monitor._unsampled(): see _keras_train_function
+            out = run(self.plain)  # traced inside hooks.unsampled(): see _keras_train_function
         if self._skipped(out) == self._state.skipped:  # the one read of an unsampled step
             self._advance(False)
-            monitor._count(step)
+            self.hooks.count(step)
             return out
         before = self.state
         self._advance(True)
@@ -203,7 +216,7 @@ class _FitDispatch:
         for i, ((step, batch, _), finite) in enumerate(zip(window, flags)):
             if finite:
                 self._advance(False)
-                self.monitor._count(step)
+                self.hooks.count(step)
                 continue
             before = self.state
             self._advance(True)
@@ -216,7 +229,7 @@ class _FitDispatch:
                 (_, again), state = self.plain(state, iter([batch]))  # the skipped step itself, as fit ran it
                 state = self._rerun_agrees(state, rerun + [again], flags[done:i] + [False], window[done][0])
             if state is None:  # not replayable: the step is logged with what the host knows
-                self.monitor._unreplayed(step, before.scale)
+                self.hooks.unreplayed(step, before.scale)
                 continue
 
             def run(fn: Any, replay_state: Any, batch: Any = batch) -> Any:
@@ -244,11 +257,11 @@ class _FitDispatch:
         own memory, read without an aten op)."""
         backend = _backend()
         if backend == "jax":
-            return int(_host(out[1][2][self._own_places()[4]]))
+            return int(host_value(out[1][2][self._own_places()[4]]))
         value = self.monitor.optimizer.skipped_steps.value
         if backend == "torch" and value.device.type == "cpu" and value.is_contiguous():
             return int(read_host_scalar(value.data_ptr(), "int32"))
-        return int(_host(value))
+        return int(host_value(value))
 
     def _advance(self, found_inf: bool) -> None:
         from ...core.loss_scale import LossScaleError, next_state
@@ -267,7 +280,7 @@ class _FitDispatch:
         monitor, opt, model = self.monitor, self.monitor.optimizer, self.monitor.model
         own = [before.good_steps, np.float32(before.scale), before.hysteresis_left, before.steps, before.skipped]
         opt.monitor_spec.host_step = 0  # torch samples on the host: this step is
-        monitor._next_step = before.steps
+        self.hooks.expect(before.steps)
         if _backend() == "jax":
             import jax.numpy as jnp
 

@@ -23,7 +23,7 @@ import keras
 
 from ...core.policy import LossScaleConfig, Policy
 from .apply import _POLICY_ASSET, apply
-from .layers import _AUTHOR, _mark_automatic, walk
+from .layers import AUTHOR, mark_automatic, walk
 from .loss_scale import _ASSET, LossScaleOptimizer
 
 
@@ -120,11 +120,11 @@ def load_model(filepath: Any, policy: Policy | str | None = None, **kwargs: Any)
         automatic = set(model_asset.get("automatic_names", ()))
         for _, layer in walk(model):
             if layer.name in automatic:
-                _mark_automatic(layer)
+                mark_automatic(layer)
     if model_asset is not None and "set_by_the_model" in model_asset:
         fixed = model_asset["set_by_the_model"]
         for path, layer in walk(model):
-            object.__setattr__(layer, _AUTHOR, tuple(fixed[path]) if path in fixed else None)
+            object.__setattr__(layer, AUTHOR, tuple(fixed[path]) if path in fixed else None)
     optimizer = getattr(model, "optimizer", None)
     if (optimizer_asset is not None and isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
             and not isinstance(optimizer, LossScaleOptimizer)):

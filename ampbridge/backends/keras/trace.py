@@ -17,7 +17,7 @@ from ...errors import UnsupportedOptionError
 from .apply import _is_float, apply
 from .environment import _backend
 from .layers import walk
-from .plan import _static_plan
+from .plan import static_plan
 
 
 def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
@@ -38,7 +38,7 @@ def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = T
     if not example_inputs:
         raise TypeError("trace(model, policy, *example_inputs) needs example inputs; plan(model, policy) is "
                         "the static Plan")
-    static = _static_plan(model, policy, warn=warn)
+    static = static_plan(model, policy, warn=warn)
     try:
         twin = keras.models.clone_model(model)
         twin.set_weights(model.get_weights())

@@ -37,12 +37,12 @@ from ...core.plan import Plan
 from ...core.policy import Policy
 from ...errors import AmpBridgeError
 from ..common import environment
-from .environment import _device_type_of, _resolve_for_device
+from .environment import device_type_of, resolve_for_device
 from . import fp8
-from .forward import _install, _installed, _keep_slow_path, _matmul_precision, _MhaSlowPath, _region, _uninstall
+from .forward import _install, installed, _keep_slow_path, _matmul_precision, _MhaSlowPath, _region, _uninstall
 from .loss_scale import GradScaler, StepResult
 from .monitor import Monitor
-from .plan import _Realisation, _realise
+from .plan import Realisation, realise_plan
 from .schedule import PhaseState
 from .trace import _trace
 
@@ -83,13 +83,13 @@ def _check_model(model: Any) -> None:
         raise ModelNotSupportedError(
             f"this module is {owner[0]!r} of an applied {owner[1]}: apply the policy to the whole model (rules "
             f"by path reach it: match = \"{owner[0]}\"), or call that model's amp.remove() first")
-    fwd = _installed(model)
+    fwd = installed(model)
     if fwd is not None:
         raise ModelNotSupportedError(
             "this model is already applied (ampbridge.torch.apply was called on it); call amp.remove() first, "
             "or use amp.set_epoch/set_step for a schedule")
     for path, module in model.named_modules():
-        if path and _installed(module) is not None:
+        if path and installed(module) is not None:
             raise ModelNotSupportedError(f"module {path!r} of this model is already part of an applied model; "
                                          "remove that first (amp.remove())")
 
@@ -111,7 +111,7 @@ def apply(model: nn.Module, policy: Policy | str | Path, *, device_type: str | N
     _check_model(model)
     # the bisect switch; warns once, at the caller
     effective, notes = environment(policy, "torch")
-    return TorchAmp(model, effective, _device_type_of(model, device_type), notes=notes)
+    return TorchAmp(model, effective, device_type_of(model, device_type), notes=notes)
 
 
 class TorchAmp:
@@ -137,8 +137,8 @@ class TorchAmp:
         self._phases = PhaseState(policy, self._enter_phase)
         self._last_optimizers: list[Any] = []
         self._micro_batches = 0  # backward passes since the last optimizer step (amp.step's accumulate)
-        resolved, notes = _resolve_for_device(self._phases.first_policy(), device_type)
-        self._realisation = fp8.realise(model, resolved, _realise(model, resolved, device_type,
+        resolved, notes = resolve_for_device(self._phases.first_policy(), device_type)
+        self._realisation = fp8.realise(model, resolved, realise_plan(model, resolved, device_type,
                                                                 notes=self._env_notes + tuple(notes)), device_type)
         self._resolved = resolved
         self._cast_storage(self._realisation)
@@ -158,6 +158,12 @@ class TorchAmp:
         return self._realisation.plan
 
     @property
+    def realisation(self) -> Realisation:
+        """How each module runs to make the Plan in force true (read-only record: its specs, the rows
+        whose own code promotes the stream, ...), for the trace and the demo."""
+        return self._realisation
+
+    @property
     def active_policy(self) -> Policy:
         """The resolved policy in force (the current phase's, ``auto`` resolved for the device)."""
         return self._resolved
@@ -174,7 +180,7 @@ class TorchAmp:
 
     # --- realisation
 
-    def _cast_storage(self, realisation: _Realisation) -> None:
+    def _cast_storage(self, realisation: Realisation) -> None:
         changed = []
         with torch.no_grad():
             for p, dtype in realisation.storage.values():
@@ -200,7 +206,7 @@ class TorchAmp:
                             and value.dtype != dtype):
                         state[key] = value.to(dtype)
 
-    def _install(self, realisation: _Realisation) -> None:
+    def _install(self, realisation: Realisation) -> None:
         modules = dict(self.model.named_modules())
         for path, spec in realisation.specs.items():
             _install(modules[path], spec)
@@ -229,8 +235,8 @@ class TorchAmp:
         """Run phase ``index`` (None: past a closed last phase): re-realised, storage recast, the
         scaler moved by the core's ``enter_phase`` (``PhaseState`` calls this on a change)."""
         before = self._resolved
-        resolved, notes = _resolve_for_device(self.policy.phase_policy(index), self.device_type)
-        realisation = _realise(self.model, resolved, self.device_type, notes=self._env_notes + tuple(notes))
+        resolved, notes = resolve_for_device(self.policy.phase_policy(index), self.device_type)
+        realisation = realise_plan(self.model, resolved, self.device_type, notes=self._env_notes + tuple(notes))
         self._uninstall()
         realisation = fp8.realise(self.model, resolved, realisation, self.device_type)
         self._cast_storage(realisation)

@@ -20,8 +20,8 @@ from torch import nn
 
 from ...core.policy import Policy
 from ..common import as_policy
-from .environment import DTYPES, _device_type_of, _resolve_for_device
-from .plan import _realise
+from .environment import DTYPES, device_type_of, resolve_for_device
+from .plan import realise_plan
 
 if TYPE_CHECKING:
     from .apply import TorchAmp
@@ -251,10 +251,10 @@ def fsdp_policy(policy: Policy | str | Path, model: nn.Module | None = None, dev
 
     policy = as_policy(policy)
     if model is not None:
-        device_type = _device_type_of(model, device_type)
+        device_type = device_type_of(model, device_type)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    policy, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
-    plan = _realise(model, policy, device_type, warn=False).plan if model is not None else None
+    policy, notes = resolve_for_device(policy.at(step=0, epoch=0), device_type)
+    plan = realise_plan(model, policy, device_type, warn=False).plan if model is not None else None
     conversion = to_fsdp(policy, plan)
 
     def dtype(name: str | None) -> torch.dtype | None:

@@ -2,8 +2,8 @@
 dtypes torch autocast really runs on it, ``compute_dtype = "auto"`` decided for it, and what
 oneDNN's CPU LSTM accepts.
 
-Holds ``DTYPES``, ``native_dtype``, ``cpu_lstm_takes_float32_inputs``, ``_device_type_of``,
-``_supported_compute_dtypes``, ``_device`` and ``_resolve_for_device``.
+Holds ``DTYPES``, ``native_dtype``, ``cpu_lstm_takes_float32_inputs``, ``device_type_of``,
+``_supported_compute_dtypes``, ``_device`` and ``resolve_for_device``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ...errors import AmpBridgeError, UnsupportedOptionError
 #: ampbridge dtype names -> torch dtypes (the one place they are mapped)
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                   "float16": torch.float16}
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -34,7 +34,7 @@ def native_dtype(name: str) -> torch.dtype:
 
 # --- devices and dtypes ------------------------------------------------------------------------
 
-def _device_type_of(model: nn.Module, device_type: str | None) -> str:
+def device_type_of(model: nn.Module, device_type: str | None) -> str:
     found = {t.device.type for t in list(model.parameters()) + list(model.buffers())}
     found.discard("meta")
     if device_type is None:
@@ -91,7 +91,7 @@ def _device(device_type: str) -> Any:
     return Device(device_type)
 
 
-def _resolve_for_device(policy: Policy, device_type: str) -> tuple[Policy, list[str]]:
+def resolve_for_device(policy: Policy, device_type: str) -> tuple[Policy, list[str]]:
     """Resolve ``compute_dtype = "auto"`` (the core's rule) and refuse dtypes the device cannot run."""
     from ...diagnostics.hardware import resolve_auto
 

@@ -1,7 +1,7 @@
 """The forward ampbridge installs on a pinned module: its region (autocast off, or a nested
 autocast), its input, parameter and output casts, and installing and removing it.
 
-Holds ``_Spec``, ``_Forward``, ``_install``, ``_uninstall``, ``_installed``, ``_region``,
+Holds ``_Spec``, ``_Forward``, ``_install``, ``_uninstall``, ``installed``, ``_region``,
 ``_matmul_precision``, ``_keep_slow_path`` and ``_MhaSlowPath``.
 """
 
@@ -180,7 +180,7 @@ def _call_with_params(module: nn.Module, dtype: torch.dtype, inner: Any, args: t
         return inner(*args, **kwargs)
 
 
-def _installed(module: nn.Module) -> _Forward | None:
+def installed(module: nn.Module) -> _Forward | None:
     fwd = module.__dict__.get("forward")
     return fwd if isinstance(fwd, _Forward) else None
 
@@ -191,7 +191,7 @@ def _install(module: nn.Module, spec: _Spec) -> None:
 
 
 def _uninstall(module: nn.Module) -> None:
-    fwd = _installed(module)
+    fwd = installed(module)
     if fwd is None:
         return
     if fwd.previous is not None:

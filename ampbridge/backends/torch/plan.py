@@ -2,7 +2,7 @@
 the device, and the specs that make the rows true.
 
 Holds ``plan`` (the contract's verb: static, traced by ``trace`` when example inputs are given),
-``_Realisation`` and ``_realise``.
+``Realisation`` and ``realise_plan``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, join_notes,
 from ...core.policy import Policy
 from ..common import environment, room_above
 from ...errors import AmpBridgeError, UnsupportedOptionError
-from .environment import (_LOW, _NAMES, DTYPES, _device_type_of, _resolve_for_device, cpu_lstm_runs,
+from .environment import (_LOW, DTYPE_NAMES, DTYPES, device_type_of, resolve_for_device, cpu_lstm_runs,
                           cpu_lstm_takes_float32_inputs)
 from .forward import _Spec
 from . import fp8
@@ -128,7 +128,7 @@ def _widest(names: Iterable[str]) -> str:
 # --- planning ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Realisation:
+class Realisation:
     """The Plan of one (phase) policy, and how each module is run to make it true."""
 
     plan: Plan
@@ -140,8 +140,8 @@ class _Realisation:
     bypassed: frozenset[str] = frozenset()  # rows whose forward their parent never calls (it uses their parameters)
 
 
-def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool = True,
-             notes: Sequence[str] = ()) -> _Realisation:
+def realise_plan(model: nn.Module, policy: Policy, device_type: str, *, warn: bool = True,
+             notes: Sequence[str] = ()) -> Realisation:
     entries = _entries(model)
     modules = dict(entries)
     described, kept, kept_notes = _author_layers(model, policy)
@@ -167,7 +167,7 @@ def _realise(model: nn.Module, policy: Policy, device_type: str, *, warn: bool =
     final = _sequential_outputs(final, modules, rules, input_following)
     plan_notes = _plan_notes(policy, list(notes) + kept_notes, input_following)
     out = Plan(tuple(final), policy, "torch", raw.unmatched_rules, tuple(plan_notes))
-    return _Realisation(out, policy, specs, storage, frozenset(input_following),
+    return Realisation(out, policy, specs, storage, frozenset(input_following),
                         frozenset(p for p in widened if p and p in modules), frozenset(bypassed))
 
 
@@ -182,7 +182,7 @@ def _grouped_experts(modules: Mapping[str, nn.Module], storage: Mapping[int, tup
         config = getattr(module, "config", None)
         if not hasattr(module, "is_concatenated") or getattr(config, "_experts_implementation", None) != "grouped_mm":
             continue  # "eager" and "batched_mm" run F.linear / bmm, which autocast casts
-        stored = {_NAMES[storage[id(p)][1]] for p in module.parameters(recurse=False) if id(p) in storage}
+        stored = {DTYPE_NAMES[storage[id(p)][1]] for p in module.parameters(recurse=False) if id(p) in storage}
         if len(stored) == 1:
             out[path] = stored.pop()
     return out
@@ -277,7 +277,7 @@ def _stored_elsewhere(module: nn.Module, row: PlanRow, own_stored: set[Any]) -> 
     """The dtype the module's parameters are kept in where it is not the row's, and why (None: the row's)."""
     from torch.nn.modules.batchnorm import _NormBase
 
-    stored = {_NAMES[d] for d in own_stored}
+    stored = {DTYPE_NAMES[d] for d in own_stored}
     if len(stored) != 1 or stored == {row.param_dtype}:
         return None
     name = stored.pop()
@@ -454,8 +454,8 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
     compute = row.compute_dtype
     cls = _class_name(module)
     if behaviour == "weights":
-        weights = _NAMES[present_as] if present_as is not None else (
-            _NAMES[next(iter(own_stored))] if len(own_stored) == 1 else row.param_dtype)
+        weights = DTYPE_NAMES[present_as] if present_as is not None else (
+            DTYPE_NAMES[next(iter(own_stored))] if len(own_stored) == 1 else row.param_dtype)
         if weights != compute:
             return weights, weights, (f"autocast does not cast embedding lookups: it runs in its weights' dtype "
                                       f"({weights})"), False
@@ -514,11 +514,11 @@ def plan(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, wa
         return trace(model, policy, *example_inputs, warn=warn, device_type=device_type, **example_kwargs)
     policy, env_notes = environment(policy, "torch", warn=False)  # what apply would run
     script = isinstance(model, torch.jit.ScriptModule)
-    device_type = (device_type or "cpu") if script else _device_type_of(model, device_type)
-    resolved, notes = _resolve_for_device(policy.at(step=0, epoch=0), device_type)
+    device_type = (device_type or "cpu") if script else device_type_of(model, device_type)
+    resolved, notes = resolve_for_device(policy.at(step=0, epoch=0), device_type)
     notes = list(env_notes) + notes
     if not script:
-        return fp8.mark_rows(_realise(model, resolved, device_type, warn=warn, notes=notes).plan, device_type)
+        return fp8.mark_rows(realise_plan(model, resolved, device_type, warn=warn, notes=notes).plan, device_type)
 
     def model_output(row: PlanRow) -> PlanRow:
         out = resolved.output_dtype

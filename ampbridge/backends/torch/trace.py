@@ -19,10 +19,10 @@ from ...core.plan import NO_OP, Plan, idle_rules, join_notes, not_run, with_note
 from ...core.policy import Policy
 from ...errors import AmpBridgeWarning
 from ..common import environment, room_above
-from .environment import _device_type_of
-from .forward import _installed
-from .plan import _realise
-from .environment import _NAMES, DTYPES
+from .environment import device_type_of
+from .forward import installed
+from .plan import realise_plan
+from .environment import DTYPE_NAMES, DTYPES
 
 _COMPUTE_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_trilinear", "native_layer_norm",
                 "native_group_norm", "native_batch_norm", "_native_batch_norm_legit", "_softmax", "_log_softmax",
@@ -51,7 +51,7 @@ def trace(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, w
     if not example_inputs and not example_kwargs:
         raise TypeError("trace(model, policy, *example_inputs) needs example inputs; plan(model, policy) is "
                         "the static Plan")
-    if isinstance(model, torch.jit.ScriptModule) or _installed(model) is not None:
+    if isinstance(model, torch.jit.ScriptModule) or installed(model) is not None:
         raise apply.ModelNotSupportedError("trace(model, policy, *example_inputs) traces an eager, un-applied model; "
                                      "for an applied one call amp.trace(*example_inputs)")
     policy, env_notes = environment(policy, "torch", warn=False)  # what apply would run
@@ -59,9 +59,9 @@ def trace(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, w
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", AmpBridgeWarning)
         apply._check_model(twin)
-        amp = apply.TorchAmp(twin, policy, _device_type_of(twin, device_type), notes=env_notes)
+        amp = apply.TorchAmp(twin, policy, device_type_of(twin, device_type), notes=env_notes)
     # the unmatched-rule warnings belong to the caller, once
-    _realise(model, amp.active_policy, amp.device_type, warn=warn)
+    realise_plan(model, amp.active_policy, amp.device_type, warn=warn)
     return _trace(amp, example_inputs, example_kwargs)
 
 
@@ -84,7 +84,7 @@ class _Recording:
     def _region_now(self) -> str:
         device = self.amp.device_type
         if torch.is_autocast_enabled(device):
-            return _NAMES.get(torch.get_autocast_dtype(device), "float32")
+            return DTYPE_NAMES.get(torch.get_autocast_dtype(device), "float32")
         return "float32"
 
     def pre(self, module: nn.Module, _args: Any) -> None:
@@ -101,15 +101,15 @@ class _Recording:
         if path is not None and self.stack:
             self.stack.pop()
             first = out[0] if isinstance(out, (tuple, list)) and out else out
-            if isinstance(first, torch.Tensor) and first.is_floating_point() and first.dtype in _NAMES:
-                self.delivered.setdefault(path, _NAMES[first.dtype])
+            if isinstance(first, torch.Tensor) and first.is_floating_point() and first.dtype in DTYPE_NAMES:
+                self.delivered.setdefault(path, DTYPE_NAMES[first.dtype])
 
     def op(self, name: str, out: Any) -> None:
         if not self.stack or name in _IGNORED_OPS:
             return
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         if isinstance(first, torch.Tensor) and first.is_floating_point():
-            dtype = _NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
+            dtype = DTYPE_NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
             self.last[self.stack[-1]] = dtype
             self.acted.update(self.stack)
             if name in _COMPUTE_OPS:
@@ -184,7 +184,7 @@ def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
     # amp: the TorchAmp (whose trace() calls this; apply imports this room, not the other way)
     rec = _Recording(amp)
     rec.run(args, kwargs)
-    rows = [_traced_row(row, rec, amp._realisation) for row in amp.plan.rows]
+    rows = [_traced_row(row, rec, amp.realisation) for row in amp.plan.rows]
     traced = Plan(tuple(rows), amp.plan.policy, "torch", amp.plan.unmatched_rules,
                   amp.plan.notes + ("traced: compute dtypes observed in one forward",))
     idle = idle_rules(traced, rec.ran)

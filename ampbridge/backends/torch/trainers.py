@@ -7,7 +7,7 @@ accumulate=...)`` drives an ``accelerator.prepare``'d optimizer (docs/torch.md, 
 transformers, accelerate and lightning are imported when one of these is first used.
 
 Holds ``hf_trainer``, ``HFTrainerMixin``, ``lightning_precision``, ``fabric_precision`` and the
-lazily built classes (``_trainer_class``, ``_hf_callback_class``, ``_lightning_class``, ``_fabric_class``).
+lazily built classes.
 """
 
 from __future__ import annotations
@@ -173,89 +173,94 @@ def _attached_trainer(module: nn.Module) -> Any:
         return None
 
 
+class _AmpPrecisionHooks:
+    """The hooks of ampbridge's Lightning ``Precision`` plugin (see :func:`lightning_precision`);
+    a mixin because ``Precision`` itself is imported only when the plugin is first built."""
+
+    precision = "ampbridge"  # Lightning's label (logs, checkpoints' hyper-parameters)
+
+    def __init__(self, policy: Policy | str | Path | TorchAmp, device_type: str | None = None):
+        self.policy, self.device_type = policy, device_type
+        self.amp: TorchAmp | None = policy if isinstance(policy, TorchAmp) else None
+        self._pending_state: dict[str, Any] | None = None
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.amp is not None and self.amp.model is module:  # fit, then validate: applied once
+            return module
+        trainer = _attached_trainer(module)
+        device_type = self.device_type or (trainer.strategy.root_device.type if trainer is not None else None)
+        self.amp = _applied(module, self.policy, device_type or "cpu")
+        if self._pending_state is not None:
+            self.amp.load_state_dict(self._pending_state)
+            self._pending_state = None
+        return module
+
+    def _require_amp(self) -> TorchAmp:
+        if self.amp is None:
+            raise RuntimeError("ampbridge's Precision plugin has no model yet: Lightning calls convert_module first "
+                               "(pass it to Trainer(plugins=[...]))")
+        return self.amp
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        # the model-wide region around the step (the loss too), as Lightning's MixedPrecision;
+        # the model's own forward enters it again (and its pinned regions)
+        amp = self._require_amp()
+        if amp.policy.phases:
+            trainer = _attached_trainer(amp.model)
+            if trainer is not None and trainer.training:
+                amp.set_step(int(trainer.global_step), [o for o in trainer.optimizers])
+                amp.set_epoch(int(trainer.current_epoch), [o for o in trainer.optimizers])
+        with amp.autocast():
+            yield
+
+    def autocast_context_manager(self) -> Any:
+        """The policy's model-wide autocast region, as Lightning's ``MixedPrecision`` offers it
+        (its own plugin tests and user code enter it directly)."""
+        return self._require_amp().autocast()
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        return super().pre_backward(self._require_amp().scaler.scale(tensor), module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        scaler = self._require_amp().scaler
+        closure_result = closure()
+        # a training_step that returned None ran no backward: nothing to unscale or step
+        skip = closure_result is None and model.automatic_optimization
+        if not skip:
+            # before Lightning's clipping hooks; a fused optimizer then gets found_inf only (torch's
+            # UNSCALED path), so clipping works with fused optimizers too
+            scaler.unscale_(optimizer)
+        # private: Lightning's own MixedPrecision calls it here (lightning 2.6.6): the
+        # on_before_optimizer_step hooks, then the Trainer's gradient clipping
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        out = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return out
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        self._require_amp().scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.amp.state_dict() if self.amp is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.amp is None:  # restored before convert_module: applied then
+            self._pending_state = dict(state_dict)
+        else:
+            self.amp.load_state_dict(state_dict)
+
+
 @functools.cache
 def _lightning_class(package: str) -> type:
     precision = _import(f"{package}.plugins.precision", "lightning_precision")
 
-    class AmpPrecision(precision.Precision):  # type: ignore[misc, name-defined]
+    class AmpPrecision(_AmpPrecisionHooks, precision.Precision):  # type: ignore[misc, name-defined]
         """Lightning's ``Precision`` plugin for ampbridge (see :func:`lightning_precision`)."""
-
-        precision = "ampbridge"  # Lightning's label (logs, checkpoints' hyper-parameters)
-
-        def __init__(self, policy: Policy | str | Path | TorchAmp, device_type: str | None = None):
-            self.policy, self.device_type = policy, device_type
-            self.amp: TorchAmp | None = policy if isinstance(policy, TorchAmp) else None
-            self._pending_state: dict[str, Any] | None = None
-
-        def convert_module(self, module: nn.Module) -> nn.Module:
-            if self.amp is not None and self.amp.model is module:  # fit, then validate: applied once
-                return module
-            trainer = _attached_trainer(module)
-            device_type = self.device_type or (trainer.strategy.root_device.type if trainer is not None else None)
-            self.amp = _applied(module, self.policy, device_type or "cpu")
-            if self._pending_state is not None:
-                self.amp.load_state_dict(self._pending_state)
-                self._pending_state = None
-            return module
-
-        def _require_amp(self) -> TorchAmp:
-            if self.amp is None:
-                raise RuntimeError("ampbridge's Precision plugin has no model yet: Lightning calls convert_module first "
-                                   "(pass it to Trainer(plugins=[...]))")
-            return self.amp
-
-        @contextlib.contextmanager
-        def forward_context(self) -> Iterator[None]:
-            # the model-wide region around the step (the loss too), as Lightning's MixedPrecision;
-            # the model's own forward enters it again (and its pinned regions)
-            amp = self._require_amp()
-            if amp.policy.phases:
-                trainer = _attached_trainer(amp.model)
-                if trainer is not None and trainer.training:
-                    amp.set_step(int(trainer.global_step), [o for o in trainer.optimizers])
-                    amp.set_epoch(int(trainer.current_epoch), [o for o in trainer.optimizers])
-            with amp.autocast():
-                yield
-
-        def autocast_context_manager(self) -> Any:
-            """The policy's model-wide autocast region, as Lightning's ``MixedPrecision`` offers it
-            (its own plugin tests and user code enter it directly)."""
-            return self._require_amp().autocast()
-
-        def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
-            return super().pre_backward(self._require_amp().scaler.scale(tensor), module)
-
-        def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
-            scaler = self._require_amp().scaler
-            closure_result = closure()
-            # a training_step that returned None ran no backward: nothing to unscale or step
-            skip = closure_result is None and model.automatic_optimization
-            if not skip:
-                # before Lightning's clipping hooks; a fused optimizer then gets found_inf only (torch's
-                # UNSCALED path), so clipping works with fused optimizers too
-                scaler.unscale_(optimizer)
-            # private: Lightning's own MixedPrecision calls it here (lightning 2.6.6): the
-            # on_before_optimizer_step hooks, then the Trainer's gradient clipping
-            self._after_closure(model, optimizer)
-            if skip:
-                return closure_result
-            out = scaler.step(optimizer, **kwargs)
-            scaler.update()
-            return out
-
-        def unscale_gradients(self, optimizer: Any) -> None:
-            self._require_amp().scaler.unscale_(optimizer)
-
-        def state_dict(self) -> dict[str, Any]:
-            return self.amp.state_dict() if self.amp is not None else {}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            if not state_dict:
-                return
-            if self.amp is None:  # restored before convert_module: applied then
-                self._pending_state = dict(state_dict)
-            else:
-                self.amp.load_state_dict(state_dict)
 
     return AmpPrecision
 

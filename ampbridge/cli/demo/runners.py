@@ -117,7 +117,7 @@ def run_torch(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
     if not native:
         run.final_state = amp.scaler.loss_scale_state()
         run.plan = amp.plan if not policy.phases else run.plan
-        run.promoted = amp._realisation.promoted if not policy.phases else frozenset()
+        run.promoted = amp.realisation.promoted if not policy.phases else frozenset()
     return run
 
 
