@@ -25,6 +25,10 @@ from .runlog import RunLog
 UNDERFLOW_WARN = 0.01
 #: loss scaling is flagged as struggling when this fraction of steps is skipped
 SKIP_WARN = 0.05
+#: a float8 layer is flagged when a tensor's scaled amax passed the format's max by more than this
+#: factor (or was non-finite): below it, the clip is the compute dtype's rounding of the max
+#: (bfloat16's step at 448 is 2, a factor of 1.0045)
+SATURATION_WARN = 1.01
 
 
 @dataclass
@@ -140,7 +144,9 @@ def _layer_counts(steps: list[dict[str, Any]]) -> tuple[list[tuple[str, float]],
 
 def _fp8_counts(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per float8 layer, per tensor (input, weight, grad_output): the steps with float8 statistics,
-    the largest amax, the saturated steps, and the scale of the last of them (with its ``scale_op``).
+    the largest amax, the saturated steps and of them those beyond the compute dtype's rounding
+    (``clipped_steps``: scaled amax over ``SATURATION_WARN`` times the max, or non-finite), the
+    largest scaled amax over the max (``max_over``), and the last scale (with its ``scale_op``).
 
     Example:
         >>> t = {"amax": 900.0, "scale": 1.0, "scale_op": "divide", "fp8_max": 448.0, "saturated": True}
@@ -152,23 +158,28 @@ def _fp8_counts(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
         for path, tensors in (s.get("fp8") or {}).items():
             for name, t in tensors.items():
                 row = out.setdefault(path, {}).setdefault(
-                    name, {"steps": 0, "max_amax": float("nan"), "saturated_steps": [], "last_scale": float("nan"),
-                           "scale_op": t["scale_op"]})
+                    name, {"steps": 0, "max_amax": float("nan"), "saturated_steps": [], "clipped_steps": [],
+                           "max_over": float("nan"), "last_scale": float("nan"), "scale_op": t["scale_op"]})
                 row["steps"] += 1
                 amax = t["amax"]
                 if not math.isnan(amax) and (math.isnan(row["max_amax"]) or amax > row["max_amax"]):
                     row["max_amax"] = amax  # a NaN amax is not a size (it counts as saturated)
+                over = t.get("scaled_amax", float("nan")) / t["fp8_max"]
+                if not math.isnan(over) and (math.isnan(row["max_over"]) or over > row["max_over"]):
+                    row["max_over"] = over  # the scaled amax over the format's max, at its largest
                 if t["saturated"]:
                     row["saturated_steps"].append(s["step"])
+                    if not (over <= SATURATION_WARN):  # beyond rounding, a non-finite amax, or an older record
+                        row["clipped_steps"].append(s["step"])
                 row["last_scale"], row["scale_op"] = t["scale"], t["scale_op"]
     return out
 
 
 def fp8_saturated(s: Summary) -> dict[str, list[int]]:
-    """Per float8 layer that saturated: the steps on which any of its tensors did (sorted)."""
+    """Per float8 layer that saturated beyond rounding: the steps on which any of its tensors did."""
     out = {}
     for path, tensors in s.fp8.items():
-        steps = sorted({step for t in tensors.values() for step in t["saturated_steps"]})
+        steps = sorted({step for t in tensors.values() for step in t["clipped_steps"]})
         if steps:
             out[path] = steps
     return out
@@ -214,8 +225,8 @@ def advise(s: Summary) -> list[str]:
         out.append(f"{path} was the first layer to go non-finite on {count} step(s): pin it "
                    f'(keep_float32 = ["{path}"]) or check its inputs')
     for path, steps in fp8_saturated(s).items():
-        which = [f"{name} ({len(t['saturated_steps'])} step(s), max amax {t['max_amax']:g})"
-                 for name, t in s.fp8[path].items() if t["saturated_steps"]]
+        which = [f"{name} ({len(t['clipped_steps'])} step(s), up to {t['max_over']:.3g} times the max)"
+                 for name, t in s.fp8[path].items() if t["clipped_steps"]]
         out.append(f"{path} saturated float8 on {len(steps)} step(s) (first at step {steps[0]}): {', '.join(which)} "
                    "went beyond the format's max after scaling and were clipped to it; delayed scaling scales a "
                    "step by the amaxes of earlier ones, so a spike saturates: consider scaling = \"current\", a "
@@ -268,11 +279,12 @@ def format_summary(s: Summary) -> str:
                          "have no per-layer statistics (a torch fused optimizer's unread steps, or an older log): "
                          "on those only the first layer to go non-finite is known, and counted)")
     if s.fp8:
-        lines.append("float8 layers (the steps with float8 statistics; scale as the framework keeps it: "
-                     "/ divides, * multiplies):")
+        lines.append("float8 layers (the steps with float8 statistics; saturated: clipped to the format's max, "
+                     f"flagged beyond {SATURATION_WARN:g} times it; scale as the framework keeps it: / divides, "
+                     "* multiplies):")
         lines.append(render_table(
-            ("layer", "tensor", "steps", "max amax", "saturated steps", "last scale"),
-            [(p, name, str(t["steps"]), f"{t['max_amax']:g}",
+            ("layer", "tensor", "steps", "max amax", "max scaled/max", "saturated steps", "last scale"),
+            [(p, name, str(t["steps"]), f"{t['max_amax']:g}", f"{t['max_over']:.4g}",
               str(len(t["saturated_steps"])) + (f" ({', '.join(map(str, t['saturated_steps'][:10]))}"
                                                 f"{' ...' if len(t['saturated_steps']) > 10 else ''})"
                                                 if t["saturated_steps"] else ""),

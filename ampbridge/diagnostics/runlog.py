@@ -40,13 +40,15 @@ A step record of a run with float8 layers (``[fp8]``) may carry ``fp8``: per flo
 float8 tensor (``input``, ``weight``, ``grad_output``) what :class:`Fp8TensorStats` holds::
 
     "fp8": {"dense": {"input": {"amax": 900.0, "scale": 0.0223, "scale_op": "divide", "fp8_max": 448.0,
-                                "compute_dtype": "bfloat16", "saturated": true, "saturated_fraction": null}}}
+                                "compute_dtype": "bfloat16", "scaled_amax": 40320.0, "saturated": true,
+                                "saturated_fraction": null}}}
 
 ``amax``: the tensor's max-abs value on this step; ``scale``: the scale the step quantized it with,
 as the framework keeps it (``scale_op`` ``divide``: the float8 value is ``x / scale``, Keras, Flax
 and delayed scaling; ``multiply``: ``x * scale``, torchao); ``saturated``: values went beyond the
 format's max after scaling and were clipped to it (``amax`` scaled as the framework scales, in
-``compute_dtype``, beyond ``fp8_max``, or a non-finite ``amax``); ``saturated_fraction``: the fraction of values clipped, where the
+``compute_dtype``: ``scaled_amax``, beyond ``fp8_max``; or a non-finite ``amax``: a bfloat16 layer's
+steady amax over the divisor made from it can land one bfloat16 step, 450, above 448); ``saturated_fraction``: the fraction of values clipped, where the
 monitor could count it cheaply (null where not).
 
 Example:
@@ -144,7 +146,8 @@ class Fp8TensorStats:
 
     def to_record(self) -> dict[str, Any]:
         return {"amax": float(self.amax), "scale": float(self.scale), "scale_op": self.scale_op,
-                "fp8_max": float(self.fp8_max), "compute_dtype": self.compute_dtype, "saturated": self.saturated,
+                "fp8_max": float(self.fp8_max), "compute_dtype": self.compute_dtype,
+                "scaled_amax": float(self.scaled_amax), "saturated": self.saturated,
                 "saturated_fraction": None if self.saturated_fraction is None else float(self.saturated_fraction)}
 
 
@@ -294,14 +297,14 @@ def _check_step(record: dict[str, Any]) -> str | None:
 def _check_fp8(fp8: Any) -> str | None:
     """What is wrong with a step record's ``fp8`` field, or None."""
     shape = ("'fp8' must map each float8 layer to its tensors (input, weight, grad_output), each "
-             "{amax, scale, scale_op, fp8_max, compute_dtype, saturated, saturated_fraction}")
+             "{amax, scale, scale_op, fp8_max, compute_dtype, scaled_amax, saturated, saturated_fraction}")
     if not isinstance(fp8, dict) or not all(isinstance(t, dict) for t in fp8.values()):
         return shape
     for path, tensors in fp8.items():
         for name, stats in tensors.items():
             if name not in FP8_TENSORS or not isinstance(stats, dict):
                 return f"{shape}; received {path!r}: {name!r}"
-            numbers = [stats.get(k) for k in ("amax", "scale", "fp8_max")]
+            numbers = [stats.get(k) for k in ("amax", "scale", "fp8_max")] + [stats.get("scaled_amax", 0.0)]
             fraction = stats.get("saturated_fraction")
             if (not all(_is_number(_number(v)) for v in numbers) or not isinstance(stats.get("saturated"), bool)
                     or stats.get("scale_op") not in ("divide", "multiply")
@@ -380,8 +383,9 @@ def read_log(path: str | os.PathLike[str], *, partial: bool = False) -> RunLog:
                 stats[k] = _number(stats[k])
         for tensors in record.get("fp8", {}).values():
             for stats in tensors.values():
-                for k in ("amax", "scale", "fp8_max"):
-                    stats[k] = _number(stats[k])
+                for k in ("amax", "scale", "fp8_max", "scaled_amax"):
+                    if k in stats:
+                        stats[k] = _number(stats[k])
         log.steps.append(record)
     if log is None:
         raise ValueError(f"{source}: empty log")

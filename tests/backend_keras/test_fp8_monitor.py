@@ -100,6 +100,6 @@ def test_custom_loop_and_report(tmp_path, capsys):
     check_against(log, every=1)
     text = format_summary(summarize(log))
     assert f"float8 saturation, by steps: fc1 (" in text
-    assert "fc1 saturated float8 on" in text and "input (1 step(s), max amax" in text
+    assert "fc1 saturated float8 on" in text and "input (1 step(s), up to" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("fc1") and " input " in line)
     assert f" 1 ({SPIKE}) " in row and "/ " in row  # one saturated step, the spike; the scale divides

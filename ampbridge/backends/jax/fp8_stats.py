@@ -6,7 +6,8 @@ Flax quantizes step t with the scale it computes at step t (``in_qdq`` updates t
 history before step t, then quantizes), and that scale is what the collection holds after the step
 (``apply_gradients`` overwrites it with its "gradient"); the history's first entry after step t is
 step t's amax. So the collection after the step is all a record needs: saturation is
-``amax / scale > fp8_max`` (``fp8_ops.quantize`` clips ``x / scale`` to the format's max); the
+``amax / scale > fp8_max`` (``fp8_ops.quantize`` clips ``x / scale``, computed in the compute dtype,
+to the format's max); the
 fraction clipped is not counted (it would need the tensor itself).
 
 Example:
@@ -39,11 +40,14 @@ def _ops(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> list[tuple[tupl
     return [hit for key, sub in tree.items() if isinstance(sub, Mapping) for hit in _ops(sub, path + (str(key),))]
 
 
-def fp8_stats(collection: Mapping[str, Any]) -> dict[str, dict[str, Fp8TensorStats]]:
+def fp8_stats(collection: Mapping[str, Any],
+              compute_dtypes: Mapping[str, str] | None = None) -> dict[str, dict[str, Fp8TensorStats]]:
     """Per float8 layer (the Plan path of the layer holding the fp8_ops module: its module path
     without the op's own name, ``.``-joined), per tensor, from the ``_overwrite_with_gradient``
     collection after the step (or the whole variables dict holding it). Reads the values (one
-    transfer): call it on the steps you log. A layer with two ops (``Einsum``) keeps the last."""
+    transfer): call it on the steps you log. A layer with two ops (``Einsum``) keeps the last.
+    ``compute_dtypes``: per layer path the dtype fp8_ops scales in (the kernel's dtype as the layer
+    passes it: the Plan row's compute dtype); float32 where not given."""
     import jax
     import numpy as np
 
@@ -54,7 +58,10 @@ def fp8_stats(collection: Mapping[str, Any]) -> dict[str, dict[str, Fp8TensorSta
     out: dict[str, dict[str, Fp8TensorStats]] = {}
     for (path, _), values in zip(found, jax.device_get(wanted)):
         values = [float(np.asarray(v, np.float32).reshape(-1)[0]) for v in values]
-        out[".".join(path[:-1])] = {
-            name: Fp8TensorStats(amax=values[i], scale=values[3 + i], scale_op="divide", fp8_max=FP8_MAX[fmt])
+        layer = ".".join(path[:-1])
+        dtype = (compute_dtypes or {}).get(layer, "float32")
+        out[layer] = {
+            name: Fp8TensorStats(amax=values[i], scale=values[3 + i], scale_op="divide", fp8_max=FP8_MAX[fmt],
+                                 compute_dtype=dtype if dtype in ("bfloat16", "float16") else "float32")
             for i, (name, _, fmt) in enumerate(TENSORS)}
     return out

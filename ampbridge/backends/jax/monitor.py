@@ -514,7 +514,7 @@ class Monitor:
         if fp8 is not None and self.due(step):
             from .fp8_stats import fp8_stats
 
-            fp8 = fp8_stats(fp8)
+            fp8 = fp8_stats(fp8, {r.path: r.compute_dtype for r in self.plan if r.fp8})
         writer.step(step, loss=loss if np.isfinite(loss) else None, loss_scale=float(host.loss_scale),
                           found_inf=found_inf, skipped=bool(host.skipped),
                           layers=host.layer_stats() if due else (host.layer_stats() or None),
