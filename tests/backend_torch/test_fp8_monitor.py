@@ -1,0 +1,86 @@
+"""The torch monitor's float8 records: torchao ``Float8Linear`` (current scaling, through ``[fp8]``)
+gets hooks on the recorded steps only, and the logged amax and scale are torchao's own
+(``tensor_to_amax`` of the tensor as torchao casts it, ``amax_to_scale``); delayed-scaling modules
+with public buffers are read from them."""
+
+import pytest
+
+import ampbridge._testing
+from ampbridge import Fp8Config, Policy
+from ampbridge.diagnostics.report import format_summary, summarize
+from ampbridge.diagnostics.runlog import read_log
+
+torch = ampbridge._testing.require("torch")
+ampbridge._testing.require("torchao.float8", "the [fp8] table on torch")
+import ampbridge.torch as abt  # noqa: E402
+from ampbridge.backends.torch.fp8_stats import delayed_stats  # noqa: E402
+from torchao.float8.float8_utils import amax_to_scale  # noqa: E402
+
+nn = torch.nn
+CURRENT = Policy(compute_dtype="bfloat16", fp8=Fp8Config(("kind:linear",), scaling="current"))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.head = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc1(x)))
+
+
+def test_torchao_amax_and_scale_are_torchaos_own_on_recorded_steps_only(tmp_path):
+    torch.manual_seed(0)
+    amp = abt.apply(Net(), CURRENT)
+    float8 = {p: m for p, m in amp.model.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert set(float8) == {"fc1", "head"}
+    seen = {}  # per step, per layer: (input as torchao gets it, weight, grad_output), by torchao's own hooks
+
+    def watch(path, module, args, out):
+        x = args[0].to(torch.get_autocast_gpu_dtype()) if torch.is_autocast_enabled() else args[0]
+        seen.setdefault(step, {})[path] = [x.detach().clone(), module.weight.detach().clone(), None]
+        out.register_hook(lambda g: seen[step][path].__setitem__(2, g.detach().clone()))
+
+    for p, m in float8.items():
+        m.register_forward_hook(lambda m, a, o, p=p: watch(p, m, a, o))
+    opt = torch.optim.SGD(amp.model.parameters(), lr=1e-4)
+    path = tmp_path / "run.jsonl"
+    g = torch.Generator().manual_seed(1)
+    with amp.monitor(path, every=2) as monitor:
+        for step in range(5):
+            before = sum(getattr(getattr(h, "func", None), "__qualname__", "") == "CurrentScalingProbe._forward"
+                         for m in float8.values() for h in m._forward_hooks.values())
+            with amp.autocast():
+                out = amp.model(torch.randn(8, 16, generator=g) * (100.0 if step == 2 else 1.0))
+            amp.step(((out.float() - 1) ** 2).mean(), opt)
+            # the monitor's float8 hooks are there only on a recorded step (0, 2, 4): one per layer
+            assert before == (2 if step % 2 == 0 else 0), (step, before)
+    assert monitor._fp8_probe is None
+    log = read_log(path)
+    assert [s["step"] for s in log.steps] == [0, 2, 4]
+    for s in log.steps:
+        for layer in ("fc1", "head"):
+            for name, tensor, dtype in zip(("input", "weight", "grad_output"), seen[s["step"]][layer],
+                                           (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2)):
+                t = s["fp8"][layer][name]
+                assert tensor is not None, (s["step"], layer, name, t)
+                amax = torch.max(torch.abs(tensor))  # torchao's tensor_to_amax
+                assert t["amax"] == amax.float().item(), (s["step"], layer, name)
+                assert t["scale"] == amax_to_scale(amax, dtype).item(), (s["step"], layer, name)
+                assert t["scale_op"] == "multiply"
+                scaled = (tensor.float().abs().max() * amax_to_scale(amax, dtype)).item()
+                assert t["saturated"] == (scaled > torch.finfo(dtype).max), (s["step"], layer, name)
+    text = format_summary(summarize(log))
+    assert "float8 layers" in text and "* " in text  # current scaling: a spike is scaled by its own amax
+    assert "saturated float8" not in text
+
+
+def test_delayed_buffers_are_read():
+    lin = nn.Linear(4, 4)
+    for i, name in enumerate(("input", "weight", "grad_output")):
+        lin.register_buffer(f"{name}_divisor", torch.tensor(0.01 * (i + 1)))
+        lin.register_buffer(f"{name}_amax_history", torch.tensor([5.0 * (i + 1), 1.0, 2.0]))
+    stats = delayed_stats(lin)
+    assert [(s.amax, s.scale) for s in stats.values()] == [
+        (5.0, torch.tensor(0.01).item()), (10.0, torch.tensor(0.02).item()), (15.0, torch.tensor(0.03).item())]
+    assert [s.saturated for s in stats.values()] == [True, True, False]  # 500, 500 > 448; 500 < 57344
