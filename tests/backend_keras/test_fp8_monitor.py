@@ -89,15 +89,16 @@ def test_fit_spike_saturates_and_matches_the_layers_variables(tmp_path):
     check_against(read_log(path), every=2)
 
 
-def test_custom_loop_and_report(tmp_path, capsys):
+@pytest.mark.parametrize("every", [1, 2])  # 2: the divisors travel with the unsampled step's read
+def test_custom_loop_and_report(tmp_path, every):
     path = tmp_path / "run.jsonl"
     m = model()
-    with ak.Monitor(str(path), m, every=1) as monitor:
+    with ak.Monitor(str(path), m, every=every) as monitor:
         for x, y in batches():
             m.train_on_batch(x, y)
             monitor.record()
     log = read_log(path)
-    check_against(log, every=1)
+    check_against(log, every=every)
     text = format_summary(summarize(log))
     assert f"float8 saturation, by steps: fc1 (" in text
     assert "fc1 saturated float8 on" in text and "input (1 step(s), up to" in text

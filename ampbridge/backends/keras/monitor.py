@@ -426,18 +426,19 @@ class Monitor:
             slots = [self._slots[n].state.value for n in _SLOT_NAMES]
         return head, stats, slots
 
-    def _fp8_variables(self, trainable_variables: Any = None) -> tuple[list[Any], list[Any]]:
-        """The float8 layers' histories' first entries and their divisors (values of the model's
-        variables, or of ``trainable_variables``, a functional JAX step's list), in layer order."""
+    def _fp8_variables(self, trainable_variables: Any = None, newest: bool = True) -> tuple[list[Any], list[Any]]:
+        """The float8 layers' histories' first entries (``newest``; else none: no slice op) and their
+        divisors (values of the model's variables, or of ``trainable_variables``, a functional JAX
+        step's list), in layer order."""
         histories = [v for _, layer in self._fp8_layers for v in history_variables(layer)]
         scales = [v for _, layer in self._fp8_layers for v in scale_variables(layer)]
         if trainable_variables is None:
-            return [v.value[:1] for v in histories], [v.value for v in scales]
+            return [v.value[:1] for v in histories] if newest else [], [v.value for v in scales]
         if self._fp8_at is None:
             index = {id(v): i for i, v in enumerate(self.model.trainable_variables)}
             self._fp8_at = [index[id(v)] for v in histories + scales]
         at = self._fp8_at
-        return ([trainable_variables[i][:1] for i in at[:len(histories)]],
+        return ([trainable_variables[i][:1] for i in at[:len(histories)]] if newest else [],
                 [trainable_variables[i] for i in at[len(histories):]])
 
     def fp8_snapshot(self, step: int, trainable_variables: Any = None) -> None:
@@ -445,7 +446,7 @@ class Monitor:
         it): ``fit`` calls this before each sampled step, where the last read did not already."""
         if not self._fp8_layers or (self._fp8_used is not None and self._fp8_used[0] == step):
             return
-        self._fp8_used = (step, _fetch(self._fp8_variables(trainable_variables)[1]))
+        self._fp8_used = (step, _fetch(self._fp8_variables(trainable_variables, newest=False)[1]))
 
     def _fp8_record(self, step: int, newest: Any, scales: Any) -> dict[str, Any] | None:
         """The step's float8 statistics (None without the divisors it used); keeps ``scales``
@@ -500,13 +501,17 @@ class Monitor:
         want_stats = expected is None or expected % self.every == 0
         parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
         # float8: on a sampled step its amaxes; before one, the divisors it will use (same transfer)
-        fp8 = bool(self._fp8_layers) and (want_stats or (expected is not None and (expected + 1) % self.every == 0))
+        before_sample = expected is not None and (expected + 1) % self.every == 0
+        fp8 = bool(self._fp8_layers) and (want_stats or before_sample)
         if fp8:
-            newest, scales = self._fp8_variables(trainable_variables)
-            parts += newest + scales
+            newest, scales = self._fp8_variables(trainable_variables, newest=want_stats)
+            parts += newest + scales  # before a sample only the divisors: no slice op
         values = _fetch(parts)
         if fp8:
-            values, fp8_v = values[:-6 * len(self._fp8_layers)], values[-6 * len(self._fp8_layers):]
+            n = (6 if want_stats else 3) * len(self._fp8_layers)
+            values, fp8_v = values[:-n], values[-n:]
+            if not want_stats:
+                fp8_v = np.concatenate([np.full(len(fp8_v), np.nan), fp8_v])
         head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
         forward, backward, slot_loss, loss_seen = rest[:4]
         step = int(head_v[0]) * _SPLIT + int(head_v[1])
