@@ -29,7 +29,23 @@ class Net(nn.Module):
         return self.head(torch.relu(self.fc1(x)))
 
 
-def test_torchao_amax_and_scale_are_torchaos_own_on_recorded_steps_only(tmp_path):
+@pytest.mark.parametrize("autocast_cast", [False, True])
+def test_torchao_amax_and_scale_are_torchaos_own_on_recorded_steps_only(tmp_path, monkeypatch, autocast_cast):
+    import torchao.float8.float8_scaling_utils as scaling
+
+    used = {}  # per step: (float8 dtype, amax, scale) of every cast torchao itself scaled
+    native = scaling.tensor_to_scale
+
+    def tensor_to_scale(x, float8_dtype, *args, **kwargs):
+        scale = native(x, float8_dtype, *args, **kwargs)
+        used.setdefault(step, set()).add((float8_dtype, torch.max(torch.abs(x)).float().item(), scale.item()))
+        return scale
+
+    monkeypatch.setattr(scaling, "tensor_to_scale", tensor_to_scale)
+    if autocast_cast:  # Float8Linear casts its input where torch.is_autocast_enabled() (CUDA's) says so
+        enabled = torch.is_autocast_enabled
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a, **k: True if not (a or k) else enabled(*a, **k))
+    step = -1
     torch.manual_seed(0)
     amp = abt.apply(Net(), CURRENT)
     float8 = {p: m for p, m in amp.model.named_modules() if type(m).__name__ == "Float8Linear"}
@@ -37,7 +53,7 @@ def test_torchao_amax_and_scale_are_torchaos_own_on_recorded_steps_only(tmp_path
     seen = {}  # per step, per layer: (input as torchao gets it, weight, grad_output), by torchao's own hooks
 
     def watch(path, module, args, out):
-        x = args[0].to(torch.get_autocast_gpu_dtype()) if torch.is_autocast_enabled() else args[0]
+        x = args[0].to(torch.get_autocast_dtype("cuda")) if torch.is_autocast_enabled() else args[0]
         seen.setdefault(step, {})[path] = [x.detach().clone(), module.weight.detach().clone(), None]
         out.register_hook(lambda g: seen[step][path].__setitem__(2, g.detach().clone()))
 
@@ -68,6 +84,7 @@ def test_torchao_amax_and_scale_are_torchaos_own_on_recorded_steps_only(tmp_path
                 assert t["amax"] == amax.float().item(), (s["step"], layer, name)
                 assert t["scale"] == amax_to_scale(amax, dtype).item(), (s["step"], layer, name)
                 assert t["scale_op"] == "multiply"
+                assert (dtype, t["amax"], t["scale"]) in used[s["step"]]  # what torchao scaled with
                 scaled = (tensor.float().abs().max() * amax_to_scale(amax, dtype)).item()
                 assert t["saturated"] == (scaled > torch.finfo(dtype).max), (s["step"], layer, name)
     text = format_summary(summarize(log))
