@@ -101,3 +101,39 @@ def test_delayed_buffers_are_read():
     assert [(s.amax, s.scale) for s in stats.values()] == [
         (5.0, torch.tensor(0.01).item()), (10.0, torch.tensor(0.02).item()), (15.0, torch.tensor(0.03).item())]
     assert [s.saturated for s in stats.values()] == [True, True, False]  # 500, 500 > 448; 500 < 57344
+
+
+def test_an_unrecorded_step_dispatches_the_ops_of_a_step_without_a_monitor(tmp_path):
+    """every=4: steps 1 and 2 run no float8 hook; their aten ops (syncs and casts included) are the
+    unmonitored model's, op for op."""
+    import collections
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    base = Net()
+    amps = [abt.apply(copy.deepcopy(base), CURRENT) for _ in range(2)]
+    opts = [torch.optim.SGD(a.model.parameters(), lr=1e-4) for a in amps]
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    counts = [[], []]
+    with amps[1].monitor(tmp_path / "run.jsonl", every=4):
+        for step in range(3):
+            for k, (amp, opt) in enumerate(zip(amps, opts)):
+                with Count() as count:
+                    with amp.autocast():
+                        out = amp.model(x)
+                    amp.step(((out.float() - 1) ** 2).mean(), opt)
+                counts[k].append(count.ops)
+    assert counts[1][0] != counts[0][0]  # step 0 is recorded: the float8 amaxes (and the statistics) cost ops
+    assert counts[1][1:] == counts[0][1:]  # steps 1 and 2: nothing more
+    assert counts[0][1]["aten.abs.default"] > 0  # torchao's own amaxes are counted there too

@@ -89,7 +89,7 @@ class CurrentScalingProbe:
             return  # an evaluation forward: not the training step's
         x = args[0]
         if torch.is_autocast_enabled():  # as Float8Linear.forward casts its input
-            x = x.to(torch.get_autocast_gpu_dtype())
+            x = x.to(torch.get_autocast_dtype("cuda"))  # torchao: get_autocast_gpu_dtype(), deprecated
         with torch.no_grad():
             self._amax[path] = {"input": x.detach().abs().max(), "weight": module.weight.detach().abs().max()}
         out.register_hook(functools.partial(self._grad_output, path))
