@@ -227,10 +227,12 @@ def advise(s: Summary) -> list[str]:
     for path, steps in fp8_saturated(s).items():
         which = [f"{name} ({len(t['clipped_steps'])} step(s), up to {t['max_over']:.3g} times the max)"
                  for name, t in s.fp8[path].items() if t["clipped_steps"]]
+        delayed = any(t["scale_op"] == "divide" for t in s.fp8[path].values() if t["clipped_steps"])
+        why = ("delayed scaling scales a step by earlier steps' amaxes, so a jump past the history's largest is "
+               "clipped: if it recurs, leave the layer out of fp8.match or pin it (keep_float32)"
+               if delayed else "current scaling clips only a non-finite amax: check the layer's inputs")
         out.append(f"{path} saturated float8 on {len(steps)} step(s) (first at step {steps[0]}): {', '.join(which)} "
-                   "went beyond the format's max after scaling and were clipped to it; delayed scaling scales a "
-                   "step by the amaxes of earlier ones, so a spike saturates: consider scaling = \"current\", a "
-                   "margin, or leaving the layer out of fp8.match")
+                   f"went beyond the format's max after scaling and were clipped to it; {why}")
     if s.min_scale is not None and s.steps_at_min_scale:
         out.append(f"the loss scale sat at min_scale={s.min_scale:g} for {s.steps_at_min_scale} step(s): the "
                    "gradients overflow even unscaled; find the overflowing layer (above) or use bfloat16"

@@ -109,3 +109,13 @@ def test_a_bad_fp8_field_is_one_line_naming_the_line(tmp_path, bad, says):
         read_log(path)
     assert f"{path}:3: 'fp8' must map" in str(info.value) and says in str(info.value)
     assert read_log(path, partial=True).problem.startswith(f"{path}:3:")
+
+
+def test_current_scaling_saturates_only_on_a_non_finite_amax(tmp_path):
+    path = tmp_path / "run.jsonl"
+    inf = Fp8TensorStats(float("inf"), 0.0, "multiply", 448.0)
+    fine = Fp8TensorStats(2.0, 224.0, "multiply", 448.0)
+    write(path, [(0, {"fc1": {"input": fine}}), (1, {"fc1": {"input": inf}})])
+    text = format_summary(summarize(read_log(path)))
+    assert "float8 saturation, by steps: fc1 (1)" in text
+    assert "current scaling clips only a non-finite amax" in text and "* 0" in text
