@@ -448,9 +448,27 @@ class Monitor:
             return
         self._fp8_used = (step, _fetch(self._fp8_variables(trainable_variables, newest=False)[1]))
 
-    def _fp8_record(self, step: int, newest: Any, scales: Any) -> dict[str, Any] | None:
-        """The step's float8 statistics (None without the divisors it used); keeps ``scales``
-        (read after the step) as the next step's."""
+    def _fp8_parts(self, expected: int | None, want_stats: bool, trainable_variables: Any) -> list[Any]:
+        """What a record's one transfer carries for float8: on a sampled step the amaxes and the
+        divisors, on the step before one the divisors it will use (only those: no slice op), else nothing."""
+        before_sample = expected is not None and (expected + 1) % self.every == 0
+        if not self._fp8_layers or not (want_stats or before_sample):
+            return []
+        newest, scales = self._fp8_variables(trainable_variables, newest=want_stats)
+        return newest + scales
+
+    @staticmethod
+    def _fp8_split(values: Any, n: int, want_stats: bool) -> tuple[Any, Any]:
+        """(the record's own values, the float8 ones as amaxes (NaN where not read) then divisors, or None)."""
+        if not n:
+            return values, None
+        fp8_v = values[-n:]  # one value per part: scalars and one-element slices
+        return values[:-n], fp8_v if want_stats else np.concatenate([np.full(n, np.nan), fp8_v])
+
+    def _fp8_record(self, step: int, fp8_v: Any) -> dict[str, Any] | None:
+        """The step's float8 statistics (None without the divisors it used); keeps the divisors read
+        after the step as the next step's."""
+        newest, scales = fp8_v[:len(fp8_v) // 2], fp8_v[len(fp8_v) // 2:]
         used = self._fp8_used[1] if self._fp8_used is not None and self._fp8_used[0] == step else None
         self._fp8_used = (step + 1, scales)
         if used is None:
@@ -500,18 +518,8 @@ class Monitor:
         expected = self._next_step
         want_stats = expected is None or expected % self.every == 0
         parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
-        # float8: on a sampled step its amaxes; before one, the divisors it will use (same transfer)
-        before_sample = expected is not None and (expected + 1) % self.every == 0
-        fp8 = bool(self._fp8_layers) and (want_stats or before_sample)
-        if fp8:
-            newest, scales = self._fp8_variables(trainable_variables, newest=want_stats)
-            parts += newest + scales  # before a sample only the divisors: no slice op
-        values = _fetch(parts)
-        if fp8:
-            n = (6 if want_stats else 3) * len(self._fp8_layers)
-            values, fp8_v = values[:-n], values[-n:]
-            if not want_stats:
-                fp8_v = np.concatenate([np.full(len(fp8_v), np.nan), fp8_v])
+        fp8_parts = self._fp8_parts(expected, want_stats, trainable_variables)
+        values, fp8_v = self._fp8_split(_fetch(parts + fp8_parts), len(fp8_parts), want_stats)
         head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
         forward, backward, slot_loss, loss_seen = rest[:4]
         step = int(head_v[0]) * _SPLIT + int(head_v[1])
@@ -528,7 +536,7 @@ class Monitor:
             step_loss: float | None = float(rest[4])
         else:
             step_loss = float(slot_loss) if loss_seen else None
-        fp8_stats = self._fp8_record(step, fp8_v[:len(fp8_v) // 2], fp8_v[len(fp8_v) // 2:]) if fp8 else None
+        fp8_stats = self._fp8_record(step, fp8_v) if fp8_v is not None else None
         if not (sampled or found_inf):
             return None
         fp8_stats = fp8_stats if sampled else None
