@@ -5,16 +5,17 @@ import json
 import subprocess
 import sys
 
-import ml_dtypes
 import numpy as np
 import pytest
 
+from ampbridge._testing import require
 from ampbridge.diagnostics.report import format_summary, summarize
 from ampbridge.diagnostics.runlog import Fp8TensorStats, RunLogWriter, read_log
 
 
 def bf16_quotient(a, b):
     """a / b in bfloat16, by ml_dtypes (operands and result rounded to bfloat16)."""
+    ml_dtypes = require("ml_dtypes", "bfloat16 arithmetic to check the saturation rule against")
     return float(np.asarray(a, ml_dtypes.bfloat16) / np.asarray(b, ml_dtypes.bfloat16))
 
 
