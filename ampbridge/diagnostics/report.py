@@ -25,6 +25,10 @@ from .runlog import RunLog
 UNDERFLOW_WARN = 0.01
 #: loss scaling is flagged as struggling when this fraction of steps is skipped
 SKIP_WARN = 0.05
+#: a float8 layer is flagged when a tensor's scaled amax passed the format's max by more than this
+#: factor (or was non-finite): below it, the clip is the compute dtype's rounding of the max
+#: (bfloat16's step at 448 is 2, a factor of 1.0045)
+SATURATION_WARN = 1.01
 
 
 @dataclass
@@ -54,6 +58,8 @@ class Summary:
     unreproduced: int = 0  # non-finite steps whose replay found everything finite
     advice: list[str] = field(default_factory=list)
     pinned: dict[str, str] = field(default_factory=dict)  # layers the policy already keeps in float32, by rule
+    # per float8 layer, per tensor: steps recorded, max amax, saturated steps, the last scale (see _fp8_counts)
+    fp8: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -101,6 +107,7 @@ def summarize(log: RunLog) -> Summary:
         nonfinite_layers=dict(nonfinite.most_common()), nonfinite_steps=nonfinite_steps,
         nonfinite_sampled=nonfinite_sampled, final_loss=losses[-1][1] if losses else None,
         final_loss_step=losses[-1][0] if losses else None, unreproduced=unreproduced)
+    summary.fp8 = _fp8_counts(steps)
     pinned = h.get("pinned")
     if isinstance(pinned, dict):
         summary.pinned = {str(k): str(v) for k, v in pinned.items()}
@@ -133,6 +140,49 @@ def _layer_counts(steps: list[dict[str, Any]]) -> tuple[list[tuple[str, float]],
         nonfinite.update(bad)
     mean_underflow = sorted(((p, sum(v) / len(v)) for p, v in underflow.items()), key=lambda t: -t[1])
     return mean_underflow, nonfinite, nonfinite_steps, nonfinite_sampled
+
+
+def _fp8_counts(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per float8 layer, per tensor (input, weight, grad_output): the steps with float8 statistics,
+    the largest amax, the saturated steps and of them those beyond the compute dtype's rounding
+    (``clipped_steps``: scaled amax over ``SATURATION_WARN`` times the max, or non-finite), the
+    largest scaled amax over the max (``max_over``), and the last scale (with its ``scale_op``).
+
+    Example:
+        >>> t = {"amax": 900.0, "scale": 1.0, "scale_op": "divide", "fp8_max": 448.0, "saturated": True}
+        >>> _fp8_counts([{"step": 3, "fp8": {"d": {"input": t}}}])["d"]["input"]["saturated_steps"]
+        [3]
+    """
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for s in steps:
+        for path, tensors in (s.get("fp8") or {}).items():
+            for name, t in tensors.items():
+                row = out.setdefault(path, {}).setdefault(
+                    name, {"steps": 0, "max_amax": float("nan"), "saturated_steps": [], "clipped_steps": [],
+                           "max_over": float("nan"), "last_scale": float("nan"), "scale_op": t["scale_op"]})
+                row["steps"] += 1
+                amax = t["amax"]
+                if not math.isnan(amax) and (math.isnan(row["max_amax"]) or amax > row["max_amax"]):
+                    row["max_amax"] = amax  # a NaN amax is not a size (it counts as saturated)
+                over = t.get("scaled_amax", float("nan")) / t["fp8_max"]
+                if not math.isnan(over) and (math.isnan(row["max_over"]) or over > row["max_over"]):
+                    row["max_over"] = over  # the scaled amax over the format's max, at its largest
+                if t["saturated"]:
+                    row["saturated_steps"].append(s["step"])
+                    if not (over <= SATURATION_WARN):  # beyond rounding, a non-finite amax, or an older record
+                        row["clipped_steps"].append(s["step"])
+                row["last_scale"], row["scale_op"] = t["scale"], t["scale_op"]
+    return out
+
+
+def fp8_saturated(s: Summary) -> dict[str, list[int]]:
+    """Per float8 layer that saturated beyond rounding: the steps on which any of its tensors did."""
+    out = {}
+    for path, tensors in s.fp8.items():
+        steps = sorted({step for t in tensors.values() for step in t["clipped_steps"]})
+        if steps:
+            out[path] = steps
+    return out
 
 
 def _counted(log: RunLog, skipped_steps: list[int]) -> tuple[int, str, int | None, int | None, int]:
@@ -174,6 +224,15 @@ def advise(s: Summary) -> list[str]:
             continue
         out.append(f"{path} was the first layer to go non-finite on {count} step(s): pin it "
                    f'(keep_float32 = ["{path}"]) or check its inputs')
+    for path, steps in fp8_saturated(s).items():
+        which = [f"{name} ({len(t['clipped_steps'])} step(s), up to {t['max_over']:.3g} times the max)"
+                 for name, t in s.fp8[path].items() if t["clipped_steps"]]
+        delayed = any(t["scale_op"] == "divide" for t in s.fp8[path].values() if t["clipped_steps"])
+        why = ("delayed scaling scales a step by earlier steps' amaxes, so a jump past the history's largest is "
+               "clipped: if it recurs, leave the layer out of fp8.match or pin it (keep_float32)"
+               if delayed else "current scaling clips only a non-finite amax: check the layer's inputs")
+        out.append(f"{path} saturated float8 on {len(steps)} step(s) (first at step {steps[0]}): {', '.join(which)} "
+                   f"went beyond the format's max after scaling and were clipped to it; {why}")
     if s.min_scale is not None and s.steps_at_min_scale:
         out.append(f"the loss scale sat at min_scale={s.min_scale:g} for {s.steps_at_min_scale} step(s): the "
                    "gradients overflow even unscaled; find the overflowing layer (above) or use bfloat16"
@@ -206,6 +265,9 @@ def format_summary(s: Summary) -> str:
     if s.overflow_origins:
         lines.append("first layer to go non-finite, by steps: "
                      + ", ".join(f"{p or '(the loss)'} ({n})" for p, n in s.overflow_origins.items()))
+    saturated = fp8_saturated(s)
+    if saturated:
+        lines.append("float8 saturation, by steps: " + ", ".join(f"{p} ({len(v)})" for p, v in saturated.items()))
     rows = [p for p, _ in s.worst_underflow] + [p for p in s.nonfinite_layers if p not in dict(s.worst_underflow)]
     if rows:
         under = dict(s.worst_underflow)
@@ -218,6 +280,18 @@ def format_summary(s: Summary) -> str:
             lines.append(f"  ({s.nonfinite_steps - s.nonfinite_sampled} of the {s.nonfinite_steps} non-finite steps "
                          "have no per-layer statistics (a torch fused optimizer's unread steps, or an older log): "
                          "on those only the first layer to go non-finite is known, and counted)")
+    if s.fp8:
+        lines.append("float8 layers (the steps with float8 statistics; saturated: clipped to the format's max, "
+                     f"flagged beyond {SATURATION_WARN:g} times it; scale as the framework keeps it: / divides, "
+                     "* multiplies):")
+        lines.append(render_table(
+            ("layer", "tensor", "steps", "max amax", "max scaled/max", "saturated steps", "last scale"),
+            [(p, name, str(t["steps"]), f"{t['max_amax']:g}", f"{t['max_over']:.4g}",
+              str(len(t["saturated_steps"])) + (f" ({', '.join(map(str, t['saturated_steps'][:10]))}"
+                                                f"{' ...' if len(t['saturated_steps']) > 10 else ''})"
+                                                if t["saturated_steps"] else ""),
+              ("/ " if t["scale_op"] == "divide" else "* ") + f"{t['last_scale']:g}")
+             for p, tensors in s.fp8.items() for name, t in tensors.items()]))
     lines.append("advice:" if s.advice else "advice: none; the numbers look healthy")
     lines += [f"  - {a}" for a in s.advice]
     return "\n".join(lines)

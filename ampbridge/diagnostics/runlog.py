@@ -36,6 +36,21 @@ the layer owns, taken before unscaling (``g``, scaled by ``S = loss_scale``):
 :func:`layer_stats` is the reference definition (numpy), which the backends' own reductions
 are tested against. ``first_nonfinite`` is ``{"path": ..., "where": "output" | "gradient"}``.
 
+A step record of a run with float8 layers (``[fp8]``) may carry ``fp8``: per float8 layer, per
+float8 tensor (``input``, ``weight``, ``grad_output``) what :class:`Fp8TensorStats` holds::
+
+    "fp8": {"dense": {"input": {"amax": 900.0, "scale": 0.0223, "scale_op": "divide", "fp8_max": 448.0,
+                                "compute_dtype": "bfloat16", "scaled_amax": 40320.0, "saturated": true,
+                                "saturated_fraction": null}}}
+
+``amax``: the tensor's max-abs value on this step; ``scale``: the scale the step quantized it with,
+as the framework keeps it (``scale_op`` ``divide``: the float8 value is ``x / scale``, Keras, Flax
+and delayed scaling; ``multiply``: ``x * scale``, torchao); ``saturated``: values went beyond the
+format's max after scaling and were clipped to it (``amax`` scaled as the framework scales, in
+``compute_dtype``: ``scaled_amax``, beyond ``fp8_max``; or a non-finite ``amax``: a bfloat16 layer's
+steady amax over the divisor made from it can land one bfloat16 step, 450, above 448); ``saturated_fraction``: the fraction of values clipped, where the
+monitor could count it cheaply (null where not).
+
 Example:
     >>> import numpy as np
     >>> s = layer_stats(np.array([0.0, 1e-9, 4.0, np.inf]), loss_scale=1.0, compute_dtype="float16")
@@ -46,6 +61,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +72,83 @@ from ..core.dtypes import formats
 
 LOG_VERSION = 1
 STAT_KEYS = ("grad_max_abs", "grad_rms", "zero", "nonfinite", "underflow", "overflow")
+#: the float8 tensors of a layer's matmul, in record order
+FP8_TENSORS = ("input", "weight", "grad_output")
+
+
+def _round(x: float, dtype: str = "float32") -> float:
+    """``x`` rounded to nearest-even in ``dtype`` (float32, bfloat16 or float16); beyond its range, inf.
+    A quotient of two such values rounded through float32 is still the correctly rounded one."""
+    import struct
+
+    if math.isnan(x) or math.isinf(x):
+        return x
+    try:
+        x = struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+    if dtype == "float16":
+        try:
+            return struct.unpack("e", struct.pack("e", x))[0]
+        except OverflowError:
+            return math.copysign(math.inf, x)
+    if dtype == "bfloat16":
+        bits = struct.unpack("I", struct.pack("f", x))[0]
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # round to nearest even on the top 16 bits
+        return struct.unpack("f", struct.pack("I", bits & 0xFFFFFFFF))[0]
+    return x
+
+
+@dataclass(frozen=True)
+class Fp8TensorStats:
+    """One float8 tensor of one layer on one step: its amax, the scale the step used, saturation.
+
+    Example:
+        >>> s = Fp8TensorStats(amax=900.0, scale=1.0, scale_op="divide", fp8_max=448.0)
+        >>> s.saturated, Fp8TensorStats(1.0, 448.0, "multiply", 448.0).saturated
+        (True, False)
+    """
+
+    amax: float  # this step's max |x| of the tensor, before scaling
+    scale: float  # the scale that quantized it, as the framework keeps it (see scale_op)
+    scale_op: str  # "divide": float8 value = x / scale (Keras, Flax); "multiply": x * scale (torchao)
+    fp8_max: float  # the format's largest finite value (448 e4m3, 57344 e5m2)
+    saturated_fraction: float | None = None  # fraction of values clipped, where counted
+    compute_dtype: str = "float32"  # the dtype the framework scales in (Keras, Flax: the layer's compute dtype)
+
+    def __post_init__(self) -> None:
+        if self.scale_op not in ("divide", "multiply"):
+            raise ValueError(f"Fp8TensorStats: scale_op must be 'divide' or 'multiply'; received {self.scale_op!r}")
+        if self.compute_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"Fp8TensorStats: compute_dtype must be float32, bfloat16 or float16; received "
+                             f"{self.compute_dtype!r}")
+
+    @property
+    def scaled_amax(self) -> float:
+        """The amax after scaling, computed as the framework does: operands and result rounded to
+        ``compute_dtype`` (Keras and Flax divide in the layer's compute dtype, so a bfloat16 layer's
+        amax scaled by a divisor made from that same amax can land a rounding step above fp8_max)."""
+        dtype = self.compute_dtype
+        amax, scale = _round(float(self.amax), dtype), _round(float(self.scale), dtype)
+        if self.scale_op == "multiply":
+            return _round(amax * scale, dtype) if not (amax == 0 and math.isinf(scale)) else math.nan
+        if scale == 0:
+            return math.inf if amax > 0 else math.nan  # x / 0: inf, clipped to fp8_max; 0 / 0: NaN
+        return _round(amax / scale, dtype)
+
+    @property
+    def saturated(self) -> bool:
+        """Values beyond ``fp8_max`` after scaling (clipped to it), or a non-finite amax (inf clips;
+        NaN has no float8 value)."""
+        if self.saturated_fraction is not None and self.saturated_fraction > 0:
+            return True
+        return not math.isfinite(self.amax) or self.scaled_amax > self.fp8_max
+
+    def to_record(self) -> dict[str, Any]:
+        return {"amax": float(self.amax), "scale": float(self.scale), "scale_op": self.scale_op,
+                "fp8_max": float(self.fp8_max), "compute_dtype": self.compute_dtype,
+                "scaled_amax": float(self.scaled_amax), "saturated": self.saturated,
+                "saturated_fraction": None if self.saturated_fraction is None else float(self.saturated_fraction)}
 
 
 def layer_stats(grad: Any, loss_scale: float, compute_dtype: str) -> dict[str, float]:
@@ -123,11 +216,17 @@ class RunLogWriter:
 
     def step(self, step: int, *, loss: float | None, loss_scale: float, found_inf: bool, skipped: bool,
              layers: Mapping[str, Mapping[str, float]] | None = None,
-             first_nonfinite: Mapping[str, str] | None = None) -> None:
-        self._write({"kind": "step", "step": int(step), "loss": None if loss is None else float(loss),
-                     "loss_scale": float(loss_scale), "found_inf": bool(found_inf), "skipped": bool(skipped),
-                     "first_nonfinite": dict(first_nonfinite) if first_nonfinite else None,
-                     "layers": {k: {s: float(v[s]) for s in STAT_KEYS if s in v} for k, v in (layers or {}).items()}})
+             first_nonfinite: Mapping[str, str] | None = None,
+             fp8: Mapping[str, Mapping[str, Fp8TensorStats]] | None = None) -> None:
+        """One step record; ``fp8``: per float8 layer, per tensor (``FP8_TENSORS``), its statistics."""
+        record = {"kind": "step", "step": int(step), "loss": None if loss is None else float(loss),
+                  "loss_scale": float(loss_scale), "found_inf": bool(found_inf), "skipped": bool(skipped),
+                  "first_nonfinite": dict(first_nonfinite) if first_nonfinite else None,
+                  "layers": {k: {s: float(v[s]) for s in STAT_KEYS if s in v} for k, v in (layers or {}).items()}}
+        if fp8:
+            record["fp8"] = {path: {t: tensors[t].to_record() for t in FP8_TENSORS if t in tensors}
+                             for path, tensors in fp8.items()}
+        self._write(record)
         self.skipped += bool(skipped)
 
     def end(self, steps: int, *, first_step: int | None, last_step: int | None, skipped: int | None = None) -> None:
@@ -192,6 +291,26 @@ def _check_step(record: dict[str, Any]) -> str | None:
     if not isinstance(layers, dict) or not all(
             isinstance(stats, dict) and all(_is_number(_number(v)) for v in stats.values()) for stats in layers.values()):
         return "'layers' must map each layer to its numeric statistics"
+    return _check_fp8(record.get("fp8", {}))
+
+
+def _check_fp8(fp8: Any) -> str | None:
+    """What is wrong with a step record's ``fp8`` field, or None."""
+    shape = ("'fp8' must map each float8 layer to its tensors (input, weight, grad_output), each "
+             "{amax, scale, scale_op, fp8_max, compute_dtype, scaled_amax, saturated, saturated_fraction}")
+    if not isinstance(fp8, dict) or not all(isinstance(t, dict) for t in fp8.values()):
+        return shape
+    for path, tensors in fp8.items():
+        for name, stats in tensors.items():
+            if name not in FP8_TENSORS or not isinstance(stats, dict):
+                return f"{shape}; received {path!r}: {name!r}"
+            numbers = [stats.get(k) for k in ("amax", "scale", "fp8_max")] + [stats.get("scaled_amax", 0.0)]
+            fraction = stats.get("saturated_fraction")
+            if (not all(_is_number(_number(v)) for v in numbers) or not isinstance(stats.get("saturated"), bool)
+                    or stats.get("scale_op") not in ("divide", "multiply")
+                    or stats.get("compute_dtype", "float32") not in ("float32", "bfloat16", "float16")
+                    or not (fraction is None or _is_number(fraction))):
+                return f"{shape}; received {path!r}: {name!r}: {stats!r}"
     return None
 
 
@@ -262,6 +381,11 @@ def read_log(path: str | os.PathLike[str], *, partial: bool = False) -> RunLog:
         for stats in record.get("layers", {}).values():
             for k in list(stats):
                 stats[k] = _number(stats[k])
+        for tensors in record.get("fp8", {}).values():
+            for stats in tensors.values():
+                for k in ("amax", "scale", "fp8_max", "scaled_amax"):
+                    if k in stats:
+                        stats[k] = _number(stats[k])
         log.steps.append(record)
     if log is None:
         raise ValueError(f"{source}: empty log")

@@ -339,6 +339,18 @@ def _numerics_in(out: Any) -> Numerics | None:
     return found[0] if found else None
 
 
+def _fp8_collection(carry: tuple) -> Any:
+    """The ``_overwrite_with_gradient`` collection in a linen carry (a variables dict, or a
+    ``TrainState``'s ``params`` holding it), or None."""
+    from .fp8_stats import OVERWRITE_WITH_GRADIENT
+
+    for part in carry:
+        for tree in (part, getattr(part, "params", None)):
+            if isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree:
+                return tree[OVERWRITE_WITH_GRADIENT]
+    return None
+
+
 def _arrived(arrays: Sequence[Any]) -> bool:
     return all(a.is_ready() for a in arrays if hasattr(a, "is_ready"))
 
@@ -413,6 +425,7 @@ class Monitor:
         self._calls = 0  # steps run through wrap(): the host's own counter
         self._window: _Window | None = None  # the unsampled steps since the last sampled one
         self._closing: _Window | None = None  # the window before it: its counters on their way to the host
+        self._fp8: dict[int, Any] = {}  # id(queued stats) -> the float8 collection after that step
 
     def _open(self, order: Sequence[str] = ()) -> Any:
         """Write the header: the Plan's paths in forward order (the order the step called them)."""
@@ -436,12 +449,19 @@ class Monitor:
         """Whether ``step`` is one with per-layer statistics (``step % every == 0``)."""
         return int(step) % self.every == 0
 
-    def record(self, step: int | None, stats: Numerics) -> None:
-        """Queue one step's :class:`Numerics`; writes the previous one (no wait for this step)."""
+    def record(self, step: int | None, stats: Numerics, *, fp8: Any = None) -> None:
+        """Queue one step's :class:`Numerics`; writes the previous one (no wait for this step).
+
+        ``fp8``: the step's new ``_overwrite_with_gradient`` collection (or the variables holding it)
+        where the model has float8 layers: a sampled step's record then has each float8 layer's
+        amaxes, the scales the step used and saturation (:mod:`.fp8_stats`; :meth:`wrap` finds it in
+        the carry itself). Read only on the steps written with statistics."""
         if not isinstance(stats, Numerics):
             raise TypeError(f"Monitor.record needs the Numerics from ampbridge.jax.numerics; received "
                             f"{type(stats).__name__}")
         wanted = jax.tree_util.tree_leaves(stats) if step is None or self.due(step) else [stats.found_inf]
+        if fp8 is not None and (step is None or self.due(step)):
+            self._fp8[id(stats)] = fp8
         for leaf in wanted:
             if hasattr(leaf, "copy_to_host_async"):
                 leaf.copy_to_host_async()
@@ -467,14 +487,20 @@ class Monitor:
             self._count(step)
         found_inf = bool(stats.found_inf)
         due = self.due(step) or counted  # a replayed step: its statistics are why it was run
+        fp8 = self._fp8.pop(id(stats), None)
         if not (due or found_inf):
             return
         host = jax.device_get(stats)  # one transfer of the small arrays (already on their way)
         loss = float(host.loss)
+        if fp8 is not None and self.due(step):
+            from .fp8_stats import fp8_stats
+
+            fp8 = fp8_stats(fp8, {r.path: r.compute_dtype for r in self.plan if r.fp8})
         writer.step(step, loss=loss if np.isfinite(loss) else None, loss_scale=float(host.loss_scale),
                           found_inf=found_inf, skipped=bool(host.skipped),
                           layers=host.layer_stats() if due else (host.layer_stats() or None),
-                          first_nonfinite=host.first_nonfinite() if found_inf else None)
+                          first_nonfinite=host.first_nonfinite() if found_inf else None,
+                          fp8=fp8 if self.due(step) else None)
 
     def flush(self) -> None:
         """Write every queued step (with :meth:`wrap`: also the unsampled steps since the last sampled
@@ -597,7 +623,7 @@ class Monitor:
                     leaf.copy_to_host_async()  # (a donated one is said by name when read)
             self._closing = self._window
             scale_at = self._window.scale_at  # where the loss-scale state was: no walk
-        self.record(n, stats)
+        self.record(n, stats, fp8=_fp8_collection(state_now))
         self._window = _Window(step, carry, held, _snapshot(state_now, bool(held)), n + 1,
                                *_scale_state(state_now, scale_at), state_now)
 

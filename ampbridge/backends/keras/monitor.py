@@ -16,6 +16,7 @@ from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refresh_compiled
 from .environment import _backend, _phase0
+from .fp8_stats import float8_layers, history_variables, scale_variables, tensor_stats
 from .layers import _children, _code_caller, walk
 from .loss_scale import LossScaleOptimizer, _model_of, _replicas
 from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec, all_finite
@@ -247,6 +248,9 @@ class Monitor:
         self._by_path: dict[str, Any] = {}
         self._probed: list[tuple[Any, Any]] = []  # (call wrapper, its probe): switched off on unsampled fit steps
         self._quiet = False  # True while an unsampled fit step runs (or traces): compute_loss records nothing
+        self._fp8_layers: list[tuple[str, Any]] = []  # (path, layer) of the float8-quantized layers
+        self._fp8_used: tuple[int, Any] | None = None  # (step, the divisors that step quantizes with)
+        self._fp8_at: list[int] | None = None  # their variables' places in model.trainable_variables
         self.attach()
 
     # --- attaching to the model and optimizer ---
@@ -329,6 +333,9 @@ class Monitor:
                     wrapper.probe = None
                     _drop_idle_wrapper(layer)
         self._positions = None
+        self._fp8_layers, self._fp8_at = float8_layers(self.layers, by_path), None
+        if self._fp8_layers and host_step is not None:
+            self.fp8_snapshot(host_step)
         previous = self.optimizer.monitor_spec
         steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
         self.optimizer.attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
@@ -428,6 +435,56 @@ class Monitor:
             slots = [self._slots[n].state.value for n in _SLOT_NAMES]
         return head, stats, slots
 
+    def _fp8_variables(self, trainable_variables: Any = None, newest: bool = True) -> tuple[list[Any], list[Any]]:
+        """The float8 layers' histories' first entries (``newest``; else none: no slice op) and their
+        divisors (values of the model's variables, or of ``trainable_variables``, a functional JAX
+        step's list), in layer order."""
+        histories = [v for _, layer in self._fp8_layers for v in history_variables(layer)]
+        scales = [v for _, layer in self._fp8_layers for v in scale_variables(layer)]
+        if trainable_variables is None:
+            return [v.value[:1] for v in histories] if newest else [], [v.value for v in scales]
+        if self._fp8_at is None:
+            index = {id(v): i for i, v in enumerate(self.model.trainable_variables)}
+            self._fp8_at = [index[id(v)] for v in histories + scales]
+        at = self._fp8_at
+        return ([trainable_variables[i][:1] for i in at[:len(histories)]] if newest else [],
+                [trainable_variables[i] for i in at[len(histories):]])
+
+    def fp8_snapshot(self, step: int, trainable_variables: Any = None) -> None:
+        """Remember the divisors step ``step`` will quantize with (Keras uses the ones stored before
+        it): ``fit`` calls this before each sampled step, where the last read did not already."""
+        if not self._fp8_layers or (self._fp8_used is not None and self._fp8_used[0] == step):
+            return
+        self._fp8_used = (step, _fetch(self._fp8_variables(trainable_variables, newest=False)[1]))
+
+    def _fp8_parts(self, expected: int | None, want_stats: bool, trainable_variables: Any) -> list[Any]:
+        """What a record's one transfer carries for float8: on a sampled step the amaxes and the
+        divisors, on the step before one the divisors it will use (only those: no slice op), else nothing."""
+        before_sample = expected is not None and (expected + 1) % self.every == 0
+        if not self._fp8_layers or not (want_stats or before_sample):
+            return []
+        newest, scales = self._fp8_variables(trainable_variables, newest=want_stats)
+        return newest + scales
+
+    @staticmethod
+    def _fp8_split(values: Any, n: int, want_stats: bool) -> tuple[Any, Any]:
+        """(the record's own values, the float8 ones as amaxes (NaN where not read) then divisors, or None)."""
+        if not n:
+            return values, None
+        fp8_v = values[-n:]  # one value per part: scalars and one-element slices
+        return values[:-n], fp8_v if want_stats else np.concatenate([np.full(n, np.nan), fp8_v])
+
+    def _fp8_record(self, step: int, fp8_v: Any) -> dict[str, Any] | None:
+        """The step's float8 statistics (None without the divisors it used); keeps the divisors read
+        after the step as the next step's."""
+        newest, scales = fp8_v[:len(fp8_v) // 2], fp8_v[len(fp8_v) // 2:]
+        used = self._fp8_used[1] if self._fp8_used is not None and self._fp8_used[0] == step else None
+        self._fp8_used = (step + 1, scales)
+        if used is None:
+            return None
+        return {path: tensor_stats(newest[3 * i:3 * i + 3], used[3 * i:3 * i + 3], layer.compute_dtype)
+                for i, (path, layer) in enumerate(self._fp8_layers)}
+
     def _forward_origin(self, event: int) -> dict[str, str]:
         """Where the first non-finite forward value came from: the model's inputs, a layer's output
         (its inputs were finite: they were checked when its call began), or a layer's inputs. Keras
@@ -446,14 +503,19 @@ class Monitor:
         return {"path": caller if caller is not None else path, "where": "output"}
 
     def record(self, loss: Any = None, *, non_trainable_variables: Any = None,
-               optimizer_variables: Any = None) -> dict[str, Any] | None:
+               optimizer_variables: Any = None, trainable_variables: Any = None) -> dict[str, Any] | None:
         """Read the last optimizer step's record (one transfer) and log it if it is sampled or
         non-finite; returns what was logged (a dict as in the log), or None.
 
         ``loss``: the step's unscaled loss, where it did not go through ``model.compute_loss``
         (a custom loop). ``non_trainable_variables`` / ``optimizer_variables``: the value lists
         a functional JAX step returned (``stateless_call`` / ``stateless_apply``), when they are
-        not assigned back to the variables before this call.
+        not assigned back to the variables before this call (``trainable_variables``: its trainable
+        values, where the model has float8 layers, whose scales and histories Keras keeps there).
+
+        A float8 layer's record (``fp8``, see ``ampbridge.diagnostics.runlog``) is written on the
+        sampled steps whose divisors the monitor read before the step: with the previous step's
+        read (the same transfer) where this one follows it, or by :meth:`fp8_snapshot`.
         """
         if not self._attached:
             raise ValueError("Monitor.record: the monitor is detached; call attach() first")
@@ -465,7 +527,8 @@ class Monitor:
         expected = self._next_step
         want_stats = expected is None or expected % self.every == 0
         parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
-        values = _fetch(parts)
+        fp8_parts = self._fp8_parts(expected, want_stats, trainable_variables)
+        values, fp8_v = self._fp8_split(_fetch(parts + fp8_parts), len(fp8_parts), want_stats)
         head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
         forward, backward, slot_loss, loss_seen = rest[:4]
         step = int(head_v[0]) * _SPLIT + int(head_v[1])
@@ -482,8 +545,10 @@ class Monitor:
             step_loss: float | None = float(rest[4])
         else:
             step_loss = float(slot_loss) if loss_seen else None
+        fp8_stats = self._fp8_record(step, fp8_v) if fp8_v is not None else None
         if not (sampled or found_inf):
             return None
+        fp8_stats = fp8_stats if sampled else None
         stats_by_layer = self._layer_stats(stats_v, scale) if sampled else {}
         first = None
         if found_inf and self.attribution:
@@ -491,9 +556,12 @@ class Monitor:
                                           step_loss is not None and not np.isfinite(step_loss))
         logged_loss = step_loss if step_loss is not None and np.isfinite(step_loss) else None
         self._writer.step(step, loss=logged_loss, loss_scale=scale, found_inf=found_inf, skipped=skipped,
-                          layers=stats_by_layer, first_nonfinite=first)
-        return {"step": step, "loss": logged_loss, "loss_scale": scale, "found_inf": found_inf,
-                "skipped": skipped, "first_nonfinite": first, "layers": stats_by_layer}
+                          layers=stats_by_layer, first_nonfinite=first, fp8=fp8_stats)
+        out = {"step": step, "loss": logged_loss, "loss_scale": scale, "found_inf": found_inf,
+               "skipped": skipped, "first_nonfinite": first, "layers": stats_by_layer}
+        if fp8_stats:
+            out["fp8"] = {p: {t: v.to_record() for t, v in tensors.items()} for p, tensors in fp8_stats.items()}
+        return out
 
     def _layer_stats(self, stats_v: Any, scale: float) -> dict[str, dict[str, float]]:
         """The per-layer statistics of a sampled step, from its rows as read (counts split in two)."""

@@ -152,10 +152,12 @@ class _FitDispatch:
             # sampled; or non-finite steps are (or may be) applied (nothing to replay), so every step is read
             self.flush()
             opt.monitor_spec.host_step = step
+            monitor.fp8_snapshot(step, args[0][0] if backend == "jax" else None)  # float8: the divisors it uses
             out = run(self.stats)
             self.hooks.expect(step)
             if backend == "jax":
-                record = monitor.record(non_trainable_variables=out[1][1], optimizer_variables=out[1][2])
+                record = monitor.record(non_trainable_variables=out[1][1], optimizer_variables=out[1][2],
+                                        trainable_variables=out[1][0])
             else:
                 record = monitor.record()
             self._advance(bool(record and record["found_inf"]))

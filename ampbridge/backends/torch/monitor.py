@@ -214,6 +214,9 @@ class Monitor:
         self._writer: Any = None
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps seen, the first and last step number (the closing record)
         self.closed = False
+        self._fp8_probe: Any = None  # torchao Float8Linear hooks, on only before a recorded step
+        self._fp8_now: dict[str, Any] | None = None  # the recorded step's float8 records, for _flush
+        self._arm_fp8()  # the first step a monitor sees: its number is learnt at its end
         amp.scaler.observer = self
 
     def __repr__(self) -> str:
@@ -247,6 +250,8 @@ class Monitor:
         finally:
             for handle in self._order_hooks + self._hooks + self._capture_hooks:
                 handle.remove()
+            if self._fp8_probe is not None:
+                self._fp8_probe.remove()
             self._order_hooks, self._hooks, self._capture_hooks, self._calls = [], [], [], []
             if self._amp.scaler.observer is self:
                 self._amp.scaler.observer = None
@@ -492,9 +497,35 @@ class Monitor:
             meta.append((path, n))
         return (torch.stack(rows), meta) if rows else None
 
+    def _arm_fp8(self) -> None:
+        """Before a recorded step: hooks on the torchao float8 layers (none on other steps)."""
+        from .fp8_stats import CurrentScalingProbe, float8_modules
+
+        torchao, self._fp8_delayed = float8_modules(self._amp.model)
+        self._fp8_probe = CurrentScalingProbe(torchao) if torchao else None
+
+    def _take_fp8(self, step: int) -> dict[str, Any] | None:
+        """A recorded step's float8 records (torchao's from the hooks, delayed modules' from their
+        buffers), the hooks off; and on again if the next step is recorded."""
+        from .fp8_stats import delayed_stats
+
+        probe, self._fp8_probe = self._fp8_probe, None
+        out = None
+        if step % self.every == 0:
+            out = probe.take() if probe is not None else {}
+            out.update({path: delayed_stats(m) for path, m in getattr(self, "_fp8_delayed", {}).items()})
+        elif probe is not None:
+            probe.remove()
+        if (step + 1) % self.every == 0:
+            self._arm_fp8()
+        return out or None
+
     def on_step(self, record: StepRecord) -> None:
         """The scaler's update(), before the scale moves; ``record.known``: found_inf if the host read it."""
         step, found, known, scale, skip = record
+        self._fp8_now = None  # zero cost on the other steps: no hook ran, nothing is read
+        if self._fp8_probe is not None or step % self.every == 0 or (step + 1) % self.every == 0:
+            self._fp8_now = self._take_fp8(step)
         if known is None and skip:  # a fused optimizer skipped on the device
             known = _flag_in_host_memory(found)
         flags, loss, stats, calls, still_scaled, replayable = self._end_of_step(step, known)
@@ -610,8 +641,9 @@ class Monitor:
                 continue  # a finite step that only waited to be read
             loss = values[1] if math.isfinite(values[1]) else None
             first = self._origin(values[3:], e, loss is not None) if found and self.attribution else None
+            fp8 = self._fp8_now if e is now and layers is not None else None
             self._writer.step(e.step, loss=loss, loss_scale=values[2], found_inf=found, skipped=found and e.skip,
-                              layers=layers or {}, first_nonfinite=first)
+                              layers=layers or {}, first_nonfinite=first, fp8=fp8)
 
     def _decode_stats(self, values: list[float], meta: list[tuple[str, int]]) -> dict[str, dict[str, float]]:
         out = {}
