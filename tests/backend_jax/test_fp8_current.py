@@ -37,6 +37,7 @@ import ampbridge.jax as abj  # noqa: E402
 from ampbridge.backends.jax.fp8_current import CurrentScalingDotGeneral, qdq, quantize, scale_of  # noqa: E402
 
 EXAMPLES = 500 if os.environ.get("AMPBRIDGE_FUZZ") else 30
+EPS32 = np.nextafter(np.float32(1e-12), np.float32(1))  # float32(1e-12) is below the float64 1e-12: the next one
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -74,8 +75,9 @@ def ours(x, fmt, margin=0):
 @pytest.mark.parametrize("x", [
     np.linspace(-3, 5, 24).reshape(4, 6), np.zeros((3, 2)), np.array([1e-40, -2e-39, 0.0]),
     np.array([3e38, -1.0, 7.0]), np.array([np.inf, 1.0, -2.0]), np.array([np.nan, 1.0]),
-    np.random.default_rng(0).normal(size=(8, 16)) * 1e4,
-], ids=["ramp", "zeros", "subnormal", "huge", "inf", "nan", "normal"])
+    np.random.default_rng(0).normal(size=(8, 16)) * 1e4, np.array([EPS32, -0.5e-12]),
+    np.array([np.nextafter(EPS32, np.float32(0)), 1e-13]), np.array([1.5e-12, 0.0]),
+], ids=["ramp", "zeros", "subnormal", "huge", "inf", "nan", "normal", "floor", "below-floor", "above-floor"])
 def test_scale_and_float8_bits_are_torchaos(x, fmt):
     want_scale, want_bits = torchao_cast(x, fmt)
     got_scale, got_bits = ours(x, fmt)
@@ -100,6 +102,15 @@ def test_the_scale_is_the_reference_and_the_bits_torchaos_over_random_tensors(x,
         assert_same_float8(got_bits, torchao_cast(x, fmt)[1], fmt)
     else:  # the margin is ampbridge's: torchao's cast with the reference's scale
         assert_same_float8(got_bits, torchao_cast(x, fmt, want)[1], fmt)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(hnp.arrays(np.float32, hnp.array_shapes(max_dims=2, max_side=6), elements=values),
+       st.floats(2.0 ** -30, 2.0 ** 30, width=32), st.sampled_from(["e4m3", "e5m2"]))
+@example(np.float32([1000.0, -1e6, 3.0]), 1.0, "e4m3")  # beyond the format's max: saturated, not NaN/inf
+def test_the_cast_saturates_as_torchaos_at_any_scale(x, scale, fmt):
+    got = np.asarray(quantize(jnp.asarray(x), jnp.float32(scale), fmt)).view(np.uint8)
+    assert_same_float8(got, torchao_cast(x, fmt, scale)[1], fmt)
 
 
 def torchao_linear(x, w, g, fmt_in, fmt_grad):
@@ -138,6 +149,28 @@ def test_a_dense_layer_is_torchaos_float8_linear(fmt_in, fmt_grad):
         scale, data = torchao_cast(v, f)
         want = torch.from_numpy(data).view(TORCH_FP8[f]).float() / torch.from_numpy(scale)  # its emulated mm's
         np.testing.assert_array_equal(np.asarray(qdq(jnp.asarray(v), f)), want.numpy())
+
+
+def test_bfloat16_operands_dequantise_to_float32_as_torchaos():
+    """bfloat16 Float8Linear and Dense(dtype=bfloat16), one output feature: the input gradient is one
+    float32 product of the dequantised gradient and weight per element, rounded to bfloat16 once."""
+    rng = np.random.default_rng(5)
+    x, w, g = (rng.normal(size=s) * f for s, f in (((8, 16), 3.0), ((1, 16), 0.2), ((8, 1), 1e-3)))
+    bf = lambda a: torch.from_numpy(np.float32(a)).bfloat16()  # noqa: E731
+    layer = Float8Linear.from_float(torch.nn.Linear(16, 1, bias=False), config=Float8LinearConfig(emulate=True))
+    with torch.no_grad():
+        layer.weight.copy_(bf(w).float())
+    layer = layer.bfloat16()
+    xt = bf(x).requires_grad_(True)
+    layer(xt).backward(bf(g))
+    dense = nn.Dense(1, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                     dot_general_cls=CurrentScalingDotGeneral)
+    params = {"params": {"kernel": jnp.asarray(bf(w).float().numpy().T, jnp.bfloat16)}}
+    xj = jnp.asarray(bf(x).float().numpy(), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda p, x: dense.apply(p, x), params, xj)
+    _, dx = vjp(jnp.asarray(bf(g).float().numpy(), jnp.bfloat16))
+    assert dx.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dx.astype(jnp.float32)), xt.grad.float().numpy())
 
 
 class Net(nn.Module):
