@@ -21,8 +21,8 @@ the Plan row says ``(emulated)`` on a float8 GPU too.
 Example:
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> layer = nn.Dense(4, dot_general_cls=lambda: CurrentScalingDotGeneral("e4m3", "e5m2"))
-    >>> float(qdq(jnp.float32([1.0, 0.3]), "e4m3")[1])  # 0.3 * 448 = 134.4 -> 136 in e4m3
-    0.3035714328289032
+    >>> float(qdq(jnp.float32([1.0, 0.3]), "e4m3")[1])  # 0.3 * 448 = 134.4: 128 in e4m3, / 448
+    0.2857142984867096
 """
 
 from __future__ import annotations
