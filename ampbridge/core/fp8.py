@@ -5,7 +5,8 @@ Two scalings, as the ``[fp8]`` table's ``scaling`` names them:
 - **current** (torchao's ``Float8LinearConfig`` tensorwise dynamic scaling): each step a tensor's
   scale comes from its own amax, ``scale = fp8_max / max(amax, 1e-12)`` computed in float64 and
   rounded to float32 (torchao's ``amax_to_scale``), then divided by ``2**margin``; the float8 value
-  is ``x * scale``. An amax of 0 gives the 1e-12 floor's scale; inf gives 0; NaN gives NaN.
+  is ``x * scale``. An amax of 0 gives the 1e-12 floor's scale; inf gives 0; NaN gives NaN. A scale
+  that the margin makes subnormal is 0 under ``flush_denormals`` (the default, as XLA computes).
 - **delayed** (Transformer Engine's ``DelayedScaling``, Keras's ``quantize("float8")``, Flax's
   ``fp8_ops``): each tensor keeps a float32 ``divisor`` (what Keras and Flax store as ``scale``:
   the float8 value is ``x / divisor``) and an amax history. A step computes the new divisor from
@@ -84,13 +85,18 @@ def amax_of(values: Iterable[float]) -> float:
     return f32(out)
 
 
-def current_scale(amax: float, fmt: str, margin: int = 0) -> float:
-    """The multiplier of current scaling for a tensor whose float32 amax is ``amax``."""
+def current_scale(amax: float, fmt: str, margin: int = 0, *, flush_denormals: bool = True) -> float:
+    """The multiplier of current scaling for a tensor whose float32 amax is ``amax``.
+
+    ``flush_denormals`` matters only with a margin: the scale of margin 0 is never subnormal
+    (``448 / 3.4e38`` is normal), ``scale / 2**margin`` can be, and XLA computes it as 0.
+    """
     top = _fp8_max(fmt)
     if math.isnan(amax):
         return math.nan
     scale = f32(top / max(float(amax), TORCHAO_EPS))  # float64 division, rounded to float32 once
-    return f32(scale / 2 ** margin)
+    out = f32(scale / 2 ** margin)
+    return _flush(out) if flush_denormals else out
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ def _jax() -> dict[str, Any]:
         else:
             devices.append(Device(d.platform, d.device_kind))
     matmul = f"jax_default_matmul_precision={jax.config.jax_default_matmul_precision!r}"
-    fp8 = ("jax", "[fp8]: Flax fp8_ops (Keras float8 on the JAX backend compiles the same way)")
+    fp8 = ("jax", "[fp8]: Flax fp8_ops (delayed), ampbridge current scaling (current); Keras float8 on the "
+                  "JAX backend compiles the same way")
     return {"version": jax.__version__, "devices": devices, "matmul": matmul, "float8": fp8}
 
 

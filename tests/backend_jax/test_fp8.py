@@ -121,7 +121,6 @@ def test_the_float8_row_says_emulated_only_where_the_device_has_no_float8_units(
 
 
 @pytest.mark.parametrize("fp8,says", [
-    (Fp8Config(("kind:linear",), scaling="current"), 'fp8.scaling = "current" is not realised on Flax'),
     (Fp8Config(("kind:linear",), amax_compute="most_recent"), 'fp8.amax_compute = "most_recent"'),
     (Fp8Config(("kind:linear",), margin=1), "fp8.margin = 1 is not realised on Flax"),
     (Fp8Config(("kind:linear",), backward="e4m3"), "fp8.backward = 'e4m3' is not realised on Flax"),

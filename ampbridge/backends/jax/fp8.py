@@ -1,4 +1,5 @@
-"""FP8 on Flax (linen): the ``[fp8]`` table realised with Flax's own ``fp8_ops``.
+"""FP8 on Flax (linen): the ``[fp8]`` table realised with Flax's own ``fp8_ops`` (delayed scaling) or
+ampbridge's own current scaling (:mod:`.fp8_current`: Flax has none).
 
 A linen layer the Plan marks float8 (``Dense``, ``DenseGeneral``, ``Einsum``: the layers with a
 ``dot_general_cls`` field) runs with ``dot_general_cls`` set, for its call, to Flax's
@@ -9,9 +10,12 @@ collection (``flax.training.train_state.TrainState.apply_gradients`` overwrites 
 "gradients"). That is the reference's *delayed* scaling (:mod:`ampbridge.core.fp8`); Flax quantizes
 each step with the updated scale. On CPU XLA emulates the float8 dot.
 
-Refused by name: ``scaling = "current"``, ``amax_compute = "most_recent"``, ``margin`` other than 0
+``scaling = "current"`` sets ``dot_general_cls`` to :class:`.fp8_current.CurrentScalingDotGeneral`
+(torchao's tensorwise dynamic scaling, stateless), with the table's formats and margin.
+
+Refused by name, under delayed scaling: ``amax_compute = "most_recent"``, ``margin`` other than 0
 (Flax's ``fp8_ops`` compute the scale with margin 0), formats other than e4m3 forward / e5m2
-backward (``fp8_scaled_dot_general`` hard-codes them), and a matched module without
+backward (``fp8_scaled_dot_general`` hard-codes them); under both, a matched module without
 ``dot_general_cls``. NNX models are not realised (refused by name).
 
 Holds ``REALISED_BY``, ``check``, ``dot_general_cls``, ``fp8_call`` and ``mark_rows``.
@@ -29,7 +33,7 @@ from ...core.plan import Plan, PlanRow
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 
-REALISED_BY = "Flax fp8_ops"
+REALISED_BY = {"delayed": "Flax fp8_ops", "current": "ampbridge current scaling"}
 _FIELD = "dot_general_cls"
 
 
@@ -38,10 +42,13 @@ def mark_rows(plan: Plan) -> Plan:
     if not any(r.fp8 for r in plan.rows):
         return plan
     from ...diagnostics.doctor import emulation_note
+    from ...diagnostics.hardware import Device
     from .environment import _device
 
-    by = REALISED_BY + emulation_note(_device(), "jax")
-    return replace(plan, rows=tuple(replace(r, fp8_by=by) if r.fp8 else r for r in plan.rows))
+    # current scaling's op dots float32 dequantised values on every device: emulated everywhere
+    note = {"delayed": emulation_note(_device(), "jax"), "current": emulation_note(Device("cpu"), "jax")}
+    return replace(plan, rows=tuple(replace(r, fp8_by=REALISED_BY[r.fp8_scaling] + note[r.fp8_scaling])
+                                    if r.fp8 else r for r in plan.rows))
 
 
 def check(policy: Policy) -> None:
@@ -50,8 +57,7 @@ def check(policy: Policy) -> None:
     if not fp8.enabled:
         return
     if fp8.scaling == "current":
-        raise UnsupportedOptionError('fp8.scaling = "current" is not realised on Flax: its fp8_ops scale from an '
-                                     'amax history (scaling = "delayed")')
+        return  # ampbridge's own op: any format, any margin
     if fp8.amax_compute == "most_recent":
         raise UnsupportedOptionError('fp8.amax_compute = "most_recent" is not realised on Flax: its fp8_ops take '
                                      'the history\'s max (amax_compute = "max")')
@@ -65,10 +71,12 @@ def check(policy: Policy) -> None:
 
 
 def dot_general_cls(module: Any, row: PlanRow, policy: Policy) -> Any:
-    """The fp8_ops class (with the table's settings) ``module`` runs with, or None when not float8."""
+    """The dot_general class (with the table's settings) ``module`` runs with, or None when not float8."""
     if not row.fp8:
         return None
     from flax.linen import fp8_ops
+
+    from .fp8_current import CurrentScalingDotGeneral
 
     if isinstance(module, fp8_ops.Fp8DotGeneralBase):
         return None  # the op ampbridge itself put under a matched layer
@@ -76,6 +84,9 @@ def dot_general_cls(module: Any, row: PlanRow, policy: Policy) -> Any:
         raise UnsupportedOptionError(
             f"fp8.match puts {row.path or '(root)'!r} ({row.class_name}) in float8, but Flax's fp8_ops replace "
             f"the dot_general of Dense, DenseGeneral and Einsum only; match those (kind:linear or their paths)")
+    fp8 = policy.fp8
+    if fp8.scaling == "current":
+        return functools.partial(CurrentScalingDotGeneral, fp8.forward, fp8.backward, fp8.margin)
     op = fp8_ops.Fp8Einsum if type(module).__name__ == "Einsum" else fp8_ops.Fp8DirectDotGeneralOp
     return functools.partial(op, amax_history_length=policy.fp8.amax_history)
 
