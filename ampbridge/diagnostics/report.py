@@ -162,6 +162,7 @@ def _fp8_counts(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
                            "max_over": float("nan"), "last_scale": float("nan"), "scale_op": t["scale_op"]})
                 row["steps"] += 1
                 amax = t["amax"]
+                row["zero_amax_steps"] = row.get("zero_amax_steps", 0) + (amax == 0.0)
                 if not math.isnan(amax) and (math.isnan(row["max_amax"]) or amax > row["max_amax"]):
                     row["max_amax"] = amax  # a NaN amax is not a size (it counts as saturated)
                 over = t.get("scaled_amax", float("nan")) / t["fp8_max"]
@@ -182,6 +183,19 @@ def fp8_saturated(s: Summary) -> dict[str, list[int]]:
         steps = sorted({step for t in tensors.values() for step in t["clipped_steps"]})
         if steps:
             out[path] = steps
+    return out
+
+
+def fp8_unrecorded(s: Summary) -> dict[str, list[str]]:
+    """Per float8 layer, its delayed-scaling input/weight tensors whose amax was 0 on every recorded
+    step (two or more): their scale never followed the data (e.g. a Keras float8 Dense never called
+    with training=True keeps scale 1, or stores 0 under JAX)."""
+    out = {}
+    for path, tensors in s.fp8.items():
+        names = [name for name, t in tensors.items() if name in ("input", "weight") and t["scale_op"] == "divide"
+                 and t["steps"] >= 2 and t.get("zero_amax_steps", 0) == t["steps"]]
+        if names:
+            out[path] = names
     return out
 
 
@@ -233,6 +247,12 @@ def advise(s: Summary) -> list[str]:
                if delayed else "current scaling clips only a non-finite amax: check the layer's inputs")
         out.append(f"{path} saturated float8 on {len(steps)} step(s) (first at step {steps[0]}): {', '.join(which)} "
                    f"went beyond the format's max after scaling and were clipped to it; {why}")
+    for path, names in fp8_unrecorded(s).items():
+        steps = s.fp8[path][names[0]]["steps"]
+        out.append(f"{path}: its float8 {' and '.join(names)} recorded no amax on any of {steps} recorded steps (scale "
+                   f"{s.fp8[path][names[0]]['last_scale']:g}): the scale never followed the data, so values are cast "
+                   "to float8 unscaled. Keras's float8 Dense updates its scales only when called with training=True: "
+                   "pass training=training down to it in your model's call (docs/fp8.md)")
     if s.min_scale is not None and s.steps_at_min_scale:
         out.append(f"the loss scale sat at min_scale={s.min_scale:g} for {s.steps_at_min_scale} step(s): the "
                    "gradients overflow even unscaled; find the overflowing layer (above) or use bfloat16"

@@ -104,3 +104,32 @@ def test_custom_loop_and_report(tmp_path, every):
     assert "fc1 saturated float8 on" in text and "input (1 step(s), up to" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("fc1") and " input " in line)
     assert f" 1 ({SPIKE}) " in row and "/ " in row  # one saturated step, the spike; the scale divides
+
+
+class NoTraining(keras.Model):
+    """A subclassed model that neither declares nor passes ``training``: Keras's float8 Dense then never
+    updates its input and kernel scales (scale 1 under TensorFlow and torch, 0 under JAX)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.head = keras.layers.Dense(8, name="fc1"), keras.layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(self.fc1(x))
+
+
+def test_a_float8_layer_called_without_training_is_named_in_the_report(tmp_path):
+    keras.utils.set_random_seed(0)
+    m = NoTraining()
+    m(np.zeros((4, 4), "float32"))
+    m = ak.apply(m, POLICY)
+    m.compile(ak.optimizer(keras.optimizers.SGD(1e-4), POLICY), "mse")
+    path = tmp_path / "run.jsonl"
+    with ak.Monitor(str(path), m) as monitor:
+        for x, y in batches(4):
+            m.train_on_batch(x / 1000 if abs(x).max() > 100 else x, y)
+            monitor.record()
+    assert float(m.fc1.inputs_amax_history.numpy().max()) == 0.0  # Keras recorded nothing: the case itself
+    text = format_summary(summarize(read_log(path)))
+    assert "fc1: its float8 input and weight recorded no amax on any of 4 recorded steps" in text
+    assert "pass training=training down to it" in text

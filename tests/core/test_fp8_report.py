@@ -120,3 +120,18 @@ def test_current_scaling_saturates_only_on_a_non_finite_amax(tmp_path):
     text = format_summary(summarize(read_log(path)))
     assert "float8 saturation, by steps: fc1 (1)" in text
     assert "current scaling clips only a non-finite amax" in text and "* 0" in text
+
+
+def test_a_float8_layer_whose_scale_never_followed_the_data_is_named(tmp_path):
+    """Keras's float8 Dense called without training=True records no amax and keeps scale 1 (TensorFlow,
+    torch) or stores 0 (JAX): the report says so instead of nothing (or a saturation)."""
+    stuck = Fp8TensorStats(0.0, 1.0, "divide", 448.0, compute_dtype="bfloat16")
+    path = tmp_path / "run.jsonl"
+    write(path, [(step, {"fc1": {"input": stuck, "weight": stuck}, "fc2": {"input": quiet(), "weight": quiet()}})
+                 for step in range(3)])
+    text = format_summary(summarize(read_log(path)))
+    assert "fc1: its float8 input and weight recorded no amax on any of 3 recorded steps (scale 1)" in text
+    assert "training=True" in text and "fc2: its float8" not in text
+    # one recorded step is not enough to tell (a fresh history before its first update)
+    write(path, [(0, {"fc1": {"input": stuck, "weight": stuck}})])
+    assert "recorded no amax" not in format_summary(summarize(read_log(path)))
