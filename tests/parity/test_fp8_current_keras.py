@@ -72,7 +72,8 @@ def assert_same_float8(got, want, fmt):
     np.linspace(-3, 5, 24).reshape(4, 6), np.zeros((3, 2)), np.array([1e-40, -2e-39, 0.0]), np.array([3e38, -1.0, 7.0]),
     np.array([np.inf, 1.0, -2.0]), np.array([np.nan, 1.0]), np.random.default_rng(0).normal(size=(8, 16)) * 1e4,
     np.array([EPS32, -0.5e-12]), np.array([np.nextafter(EPS32, np.float32(0)), 1e-13]), np.array([1.5e-12, 0.0]),
-], ids=["ramp", "zeros", "subnormal", "huge", "inf", "nan", "normal", "floor", "below-floor", "above-floor"])
+    np.array([1e-13, -5e-14]),
+], ids=["ramp", "zeros", "subnormal", "huge", "inf", "nan", "normal", "floor", "below-floor", "above-floor", "under-floor"])
 def test_scale_and_float8_bits_are_torchaos(x, fmt):
     want_scale, want_bits = torchao_cast(x, fmt)
     got_scale, got_bits = ours(x, fmt)
