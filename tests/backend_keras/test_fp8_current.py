@@ -160,3 +160,33 @@ def test_what_current_scaling_cannot_carry_is_refused_by_name():
     model.get_layer("head").quantize("float8")
     with pytest.raises(ampbridge.UnsupportedOptionError, match="'head', which is float8-quantized"):
         ak.apply(model, Policy(fp8=Fp8Config(("head",), scaling="current")))
+
+
+def test_a_phase_turns_current_scaling_on_mid_training():
+    policy = ampbridge.loads("""
+[[phase]]
+until_step = 2
+[[phase]]
+[phase.fp8]
+match = ["kind:linear"]
+scaling = "current"
+""")
+    rng = np.random.default_rng(1)
+    x, y = np.float32(rng.normal(size=(64, 32)) * 3), np.float32(rng.normal(size=(64, 16)))
+    model = ak.apply(net(), policy)
+    assert "call" not in model.get_layer("fc1").__dict__
+    model.compile(optimizer=ak.optimizer(keras.optimizers.SGD(0.05), policy), loss=mse)
+    phases = ak.PhaseCallback(policy)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[phases])
+    assert phases.switches == [(0, 0), (2, 1)]
+    assert isinstance(model.get_layer("fc1").__dict__.get("call"), CurrentScalingCall)
+    hand = net()  # the same by hand: two plain steps, then the call set on the float8 layers
+    hand.compile(optimizer=keras.optimizers.SGD(0.05), loss=mse)
+    for i in range(4):
+        if i == 2:
+            for name in ("fc1", "fc2", "head"):
+                hand.get_layer(name).call = CurrentScalingCall(hand.get_layer(name))
+            hand.train_function = None
+        hand.train_on_batch(x[16 * i:16 * (i + 1)], y[16 * i:16 * (i + 1)])
+    for a, b in zip(model.weights, hand.weights):
+        np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
