@@ -160,6 +160,10 @@ def test_what_current_scaling_cannot_carry_is_refused_by_name():
     model.get_layer("head").quantize("float8")
     with pytest.raises(ampbridge.UnsupportedOptionError, match="'head', which is float8-quantized"):
         ak.apply(model, Policy(fp8=Fp8Config(("head",), scaling="current")))
+    model = net()
+    model.get_layer("head").quantize("int8")  # it would run Keras's quantized_call, never this call
+    with pytest.raises(ampbridge.UnsupportedOptionError, match="'head', which is int8-quantized"):
+        ak.apply(model, Policy(fp8=Fp8Config(("head",), scaling="current")))
 
 
 def test_a_phase_turns_current_scaling_on_mid_training():

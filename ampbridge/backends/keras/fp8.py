@@ -91,10 +91,11 @@ def _check_layers(plan: Plan, by_path: dict[str, Any], scaling: str) -> None:
         if not row.fp8:
             continue
         layer = by_path[row.path]
-        if scaling == "current" and _is_float8(layer):
+        mode = getattr(layer.dtype_policy, "quantization_mode", None)
+        if scaling == "current" and mode is not None:  # a quantized layer runs quantized_call, not call
             raise UnsupportedOptionError(
-                f"fp8.scaling = 'current' for {row.path or '(model)'!r}, which is float8-quantized (delayed "
-                f"scaling); Keras cannot undo a quantization: apply current scaling to an unquantized model")
+                f"fp8.scaling = 'current' for {row.path or '(model)'!r}, which is {mode}-quantized; Keras "
+                f"cannot undo a quantization: apply current scaling to an unquantized model")
         if scaling == "current" and not _own_call(layer):
             raise UnsupportedOptionError(
                 f"fp8.match puts {row.path or '(model)'!r} ({row.class_name}) in float8 with current "
