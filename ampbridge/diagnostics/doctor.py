@@ -106,7 +106,8 @@ def _tensorflow() -> dict[str, Any]:
         matmul += " (torch, JAX and jit_compile=True round to nearest: bfloat16 results drift from theirs)"
     import keras
 
-    fp8 = ("tensorflow", "[fp8]: Keras's model.quantize('float8') (on the JAX backend XLA compiles it: see jax)")
+    fp8 = ("tensorflow", "[fp8]: Keras's model.quantize('float8') (delayed; on the JAX backend XLA compiles it: "
+                         "see jax), ampbridge current scaling (current)")
     return {"version": f"{tf.__version__} (keras {keras.__version__}, backend {keras.backend.backend()})",
             "devices": devices, "matmul": matmul, "float8": fp8}
 

@@ -113,7 +113,6 @@ def test_amax_history_is_carried_saved_and_resumed(tmp_path):
 
 
 @pytest.mark.parametrize("fp8,says", [
-    (Fp8Config(("kind:linear",), scaling="current"), "fp8.scaling = 'current' is not realised on Keras"),
     (Fp8Config(("kind:linear",), amax_compute="most_recent"), "fp8.amax_compute = 'most_recent'"),
     (Fp8Config(("kind:linear",), margin=2), "fp8.margin = 2 is not realised on Keras"),
     (Fp8Config(("kind:linear",), forward="e5m2"), "fp8.forward = 'e5m2'"),
