@@ -68,12 +68,13 @@ test-core: $(CORE_VENV)/.stamp  ## the framework-free core suite only (about a m
 # (tf_keras) needs TF_USE_LEGACY_KERAS=1 before TensorFlow resolves tf.keras: its own process too.
 test-all: $(VENV)/.stamp  ## every backend's suite, Keras under TensorFlow, JAX and torch, and tf.keras 2
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q --durations=25
-	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q tests/backend_keras
-	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q tests/backend_keras
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q -m "not heavy" tests/backend_keras
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q -m "not heavy" tests/backend_keras
 	AMPBRIDGE_REQUIRE=all TF_USE_LEGACY_KERAS=1 $(VENV)/bin/python -m pytest -q tests/backend_tf_keras
 
 # the differential fuzzers (every tests/**/test_fuzz*.py) with many more, fresh examples than make test's
-# seeded few (AMPBRIDGE_FUZZ=1: ampbridge._testing.fuzz_settings); the Keras ones under each Keras backend
+# seeded few (AMPBRIDGE_FUZZ=1: ampbridge._testing.fuzz_settings); the Keras ones under each Keras backend,
+# and the heavy Keras tests (make test runs them under TensorFlow only) under JAX and torch
 FUZZ_FILES = $(shell find tests -name 'test_fuzz*.py' | sort)
 fuzz: $(VENV)/.stamp  ## the differential fuzzers with many more examples
 	@TIMEFORMAT='make fuzz: %0R s wall, %0U s user + %0S s system CPU'; time ( set -e; \
@@ -81,6 +82,7 @@ fuzz: $(VENV)/.stamp  ## the differential fuzzers with many more examples
 	for backend in jax torch; do \
 		AMPBRIDGE_FUZZ=1 AMPBRIDGE_REQUIRE=all KERAS_BACKEND=$$backend $(VENV)/bin/python -m pytest -q \
 			$(filter tests/backend_keras/%,$(FUZZ_FILES)); \
+		AMPBRIDGE_REQUIRE=all KERAS_BACKEND=$$backend $(VENV)/bin/python -m pytest -q -m heavy tests/backend_keras; \
 	done )
 
 # the floors: the Keras suite on each Keras backend and the JAX suite at constraints-min.txt (the

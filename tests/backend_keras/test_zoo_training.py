@@ -82,7 +82,7 @@ def _fit_recording(model, optimizer, name):
     return losses.losses
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "mobilenetv2"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", pytest.param("mobilenetv2", marks=pytest.mark.heavy)])
 def test_six_steps_bit_identical_to_native_mixed_float16(kx, name):
     """A policy equal to ``mixed_float16`` trains exactly as Keras's own mixed precision: the same
     step losses, weights, loss scale and iterations. Llama's attention softmax is float32 by its
@@ -118,7 +118,7 @@ def test_six_steps_bit_identical_to_native_mixed_float16(kx, name):
             "set by the model")
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "mobilenetv2"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", pytest.param("mobilenetv2", marks=pytest.mark.heavy)])
 def test_six_steps_with_norms_and_embeddings_pinned_run_their_plan(kx, name):
     if name == "llama" and keras.backend.backend() == "jax" and "cpu" in str(keras.ops.ones(()).device).lower():
         pytest.skip("XLA:CPU cannot compile Llama's float16 dot_general (F16_F16_F32), native Keras included")
