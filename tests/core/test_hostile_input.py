@@ -82,13 +82,32 @@ def test_loading_in_code_raises_the_policy_error():
         ampbridge.loads("[" * 100000 + "]" * 100000, format="json")
 
 
+def _wait_until_blocked_on_the_pipe(pid, limit=60.0):
+    """Until the process sleeps opening the named pipe (Linux: /proc/PID/wchan), so the Ctrl-C lands
+    there and not in the interpreter's start-up on a loaded machine; elsewhere a fixed 3 s."""
+    wchan = f"/proc/{pid}/wchan"
+    if not os.path.exists(wchan):
+        time.sleep(3)
+        return
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        with open(wchan) as f:
+            if f.read().strip() == "wait_for_partner":  # the kernel's fifo open, waiting for a writer
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"ampbridge validate did not reach the named pipe in {limit:g} s")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe to block on")
 def test_ctrl_c_ends_a_command_with_one_line_and_130(tmp_path):
     fifo = tmp_path / "policy.toml"
     os.mkfifo(fifo)  # validate blocks opening it until a writer comes: Ctrl-C lands there
+    # as a terminal's foreground job gets it: SIGINT at its default (a background job of a non-interactive
+    # shell inherits it ignored, and Python then leaves it ignored: the Ctrl-C would never arrive)
     proc = subprocess.Popen([sys.executable, "-m", "ampbridge", "validate", str(fifo)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _wait_until_blocked_on_the_pipe(proc.pid)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
