@@ -291,6 +291,11 @@ class Policy:
         return self.loss_scale.resolve(self.compute_dtype)
 
     @property
+    def uses_fp8(self) -> bool:
+        """Whether the policy or any of its phases puts layers in float8 (an ``[fp8]`` table with a match)."""
+        return self.fp8.enabled or any(ph.policy.fp8.enabled for ph in self.phases)
+
+    @property
     def phase_unit(self) -> str | None:
         """``"epoch"`` or ``"step"`` when the policy has a schedule, else None."""
         return next((p.unit for p in self.phases if p.unit), None)

@@ -351,7 +351,7 @@ class _Writer(_Findings):
     def common(self, tool: str, *, pins: bool = False, matmul: bool = False, pins_reason: str = "",
                fp8: bool = False) -> None:
         p = self.policy
-        if not fp8 and (p.fp8.enabled or any(ph.policy.fp8.enabled for ph in p.phases)):
+        if not fp8 and p.uses_fp8:
             self.loss("fp8", p.fp8.to_dict(), f"{tool} has no float8 setting: the [fp8] layers would run in the "
                       "compute dtype (write it for transformer-engine, torchao, keras or accelerate)")
         if p.phases:

@@ -146,7 +146,7 @@ def to_tf_keras(policy: Policy) -> Conversion:
     w.losses.extend(l for l in base.losses if not l.setting.startswith("loss_scale"))
     w.notes.extend(n for n in base.notes if "2**127" not in n and "loss_scale_factor" not in n)
     name = base.result["dtype_policy"]
-    if policy.fp8.enabled or any(ph.policy.fp8.enabled for ph in policy.phases):
+    if policy.uses_fp8:
         w.loss("fp8", policy.fp8.to_dict(), "tf.keras 2 has no float8 training (Keras 3's quantize(\"float8\") "
                "does): the [fp8] layers would run in the compute dtype")
     ls, view = policy.resolved_loss_scale, loss_scale_view(policy.loss_scale, policy.compute_dtype)

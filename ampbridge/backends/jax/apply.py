@@ -314,7 +314,7 @@ def apply(model: Any, policy: Policy | str) -> Any:
             described = _nnx_layers(copy)
         _refuse_applied_nnx(described.instances)
         resolved, notes = resolve_policy(policy)
-        if resolved.fp8.enabled or any(ph.policy.fp8.enabled for ph in resolved.phases):
+        if resolved.uses_fp8:
             raise UnsupportedOptionError("the [fp8] table is not realised on flax.nnx models (Flax's fp8_ops are "
                                          "linen modules); use a linen model, or leave [fp8] out")
         return _apply_nnx(copy, phase_policy(resolved), notes, described)

@@ -212,7 +212,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         raise UnsupportedOptionError("ampbridge.tf_keras.apply on a compiled model: its optimizer holds the "
                                      "old variables; apply the policy first, then compile the model it returns")
     policy, _ = resolve_policy(policy, warn=warn)
-    if policy.fp8.enabled or any(ph.policy.fp8.enabled for ph in policy.phases):
+    if policy.uses_fp8:
         raise UnsupportedOptionError(
             "[fp8] is not realised on tf.keras 2: Keras 2 has no float8 training (Keras 3's quantize(\"float8\") "
             "does: ampbridge.keras); remove the [fp8] table for tf.keras 2")

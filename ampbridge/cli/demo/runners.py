@@ -54,10 +54,6 @@ class Run:
 FP8_ROW = "block.attn.query"
 
 
-def _fp8_on(policy: Policy) -> bool:
-    return policy.fp8.enabled or any(ph.policy.fp8.enabled for ph in policy.phases)
-
-
 def _tick(progress: Progress | None, i: int) -> None:
     if progress is not None:
         progress(i)
@@ -133,7 +129,7 @@ def run_keras(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: i
     data = batches(steps)
     model, opt = _keras_model(policy, run, seed=seed, native=native)
     model.compile(optimizer=opt, loss=_keras_loss(), jit_compile=jit_compile)
-    fp8_layer = _keras_fp8_layer(model) if _fp8_on(policy) and not native else None
+    fp8_layer = _keras_fp8_layer(model) if policy.uses_fp8 and not native else None
     if policy.phases and not native:
         return _keras_fit_schedule(policy, run, model, opt, data, inject, progress)
     for i, (x, y) in enumerate(data):
@@ -349,7 +345,7 @@ def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int
     first = policy.at(step=0, epoch=0)
     params = abj.apply(module, first).cast_params(variables, x0)["params"]
     run.plan = abj.plan(module, first, x0, warn=False)
-    if _fp8_on(policy):
+    if policy.uses_fp8:
         opt_state, step_at = _jax_fp8_stepper(policy, module, params, x0, run)
     else:
         opt_state, step_at = _jax_stepper(policy, module, params, x0)
