@@ -180,3 +180,32 @@ def test_the_compiled_step_is_the_hand_written_fp8_ops_step():
     amp = abj.apply(Net(), DELAYED)
     mine, theirs = ops(amp.apply, amp.init(jax.random.key(0), x)), ops(native.apply, native.init(jax.random.key(0), x))
     assert sum(theirs.values()) > 100 and mine == theirs
+
+
+def _equal(a, b):
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_restored_checkpoint_trains_on_bit_identically():
+    """A checkpoint of the variables (parameters and the ``_overwrite_with_gradient`` scales and amax
+    histories) written with Flax's own serialization mid-run, restored into a fresh ``abj.apply`` of the
+    model, trains on exactly as the run never interrupted (losses, parameters, scales, histories)."""
+    from flax import serialization
+
+    policy, data = DELAYED.replace(fp8=Fp8Config(("kind:linear",), amax_history=4)), batches(10)  # the history wraps
+    amp = abj.apply(Net(), policy)
+    start = amp.init(jax.random.key(0), data[0][0])
+    whole, whole_losses = train(amp.apply, start, data)
+
+    first, first_losses = train(amp.apply, start, data[:6])
+    blob = serialization.to_bytes(first)
+    fresh = abj.apply(Net(), policy)
+    template = fresh.init(jax.random.key(1), data[0][0])  # other random weights: all of them are restored
+    restored = serialization.from_bytes(template, blob)
+    assert _equal(restored, first)
+    meta = restored[fp8_ops.OVERWRITE_WITH_GRADIENT]["fc1"][OP]
+    assert float(meta["input_scale"].reshape(())) != 1.0 and np.count_nonzero(meta["input_amax_history"]) == 4
+    rest, rest_losses = train(fresh.apply, restored, data[6:])
+    assert first_losses + rest_losses == whole_losses
+    assert _equal(rest, whole)
