@@ -18,10 +18,10 @@ from ampbridge._testing import require
 
 torch = require("torch")  # first: torch before jax/tensorflow in one process
 require("torchao.float8", "the reference of current scaling")
-from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
-from torchao.float8.float8_training_tensor import LinearMMConfig, hp_tensor_and_scale_to_float8  # noqa: E402
 
 from ampbridge.core.fp8 import amax_of, current_scale  # noqa: E402
+
+from .fp8_torchao import CASES, ML_DTYPES, TORCH_FP8, assert_same_float8, assert_same_scale, torchao_cast  # noqa: E402
 
 keras = require("keras")
 from ampbridge.backends.keras.fp8_current import CurrentScalingCall, qdq, quantize, scale_of  # noqa: E402
@@ -29,51 +29,18 @@ from ampbridge.backends.keras.fp8_current import CurrentScalingCall, qdq, quanti
 ops = keras.ops
 BACKEND = keras.backend.backend()
 EXAMPLES = 500 if os.environ.get("AMPBRIDGE_FUZZ") else 30
-EPS32 = np.nextafter(np.float32(1e-12), np.float32(1))  # the first float32 amax torchao does not floor
-TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-U8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
-
-
-def torchao_cast(x, fmt, scale=None):
-    """torchao's float8 of ``x`` (its own scale, or ``scale``): (scale, the float8 bits)."""
-    t = torch.from_numpy(np.array(x, np.float32))
-    if scale is None:
-        f8 = hp_tensor_to_float8_dynamic(t, TORCH_FP8[fmt], LinearMMConfig())
-    else:
-        f8 = hp_tensor_and_scale_to_float8(t, torch.tensor(scale, dtype=torch.float32), TORCH_FP8[fmt])
-    return f8._scale.numpy(), f8._data.view(torch.uint8).numpy()
 
 
 def ours(x, fmt, margin=0, scale=None):
     t = ops.convert_to_tensor(np.array(x, np.float32))
     s = scale_of(t, fmt, margin) if scale is None else np.float32(scale)
     f8 = ops.convert_to_numpy(ops.cast(quantize(t, s, fmt), "float32")).astype(getattr(__import__("ml_dtypes"),
-                                                                                     U8[fmt]))
+                                                                                     ML_DTYPES[fmt]))
     return np.asarray(ops.convert_to_numpy(s), np.float32), f8.view(np.uint8)
 
 
-def assert_same_scale(got, want):
-    if not (np.isnan(got) and np.isnan(want)):  # NaN payloads differ between frameworks
-        assert np.float32(got).view(np.uint32) == np.float32(want).view(np.uint32), (got, want)
-
-
-def assert_same_float8(got, want, fmt):
-    """The same float8 bits; a NaN is any NaN."""
-    import ml_dtypes
-
-    f8 = getattr(ml_dtypes, U8[fmt])
-    nan = np.isnan(got.view(f8).astype(np.float32))
-    np.testing.assert_array_equal(nan, np.isnan(want.view(f8).astype(np.float32)))
-    np.testing.assert_array_equal(np.where(nan, 0, got), np.where(nan, 0, want))
-
-
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("x", [
-    np.linspace(-3, 5, 24).reshape(4, 6), np.zeros((3, 2)), np.array([1e-40, -2e-39, 0.0]), np.array([3e38, -1.0, 7.0]),
-    np.array([np.inf, 1.0, -2.0]), np.array([np.nan, 1.0]), np.random.default_rng(0).normal(size=(8, 16)) * 1e4,
-    np.array([EPS32, -0.5e-12]), np.array([np.nextafter(EPS32, np.float32(0)), 1e-13]), np.array([1.5e-12, 0.0]),
-    np.array([1e-13, -5e-14]),
-], ids=["ramp", "zeros", "subnormal", "huge", "inf", "nan", "normal", "floor", "below-floor", "above-floor", "under-floor"])
+@pytest.mark.parametrize("x", [x for _, x in CASES], ids=[name for name, _ in CASES])
 def test_scale_and_float8_bits_are_torchaos(x, fmt):
     want_scale, want_bits = torchao_cast(x, fmt)
     got_scale, got_bits = ours(x, fmt)

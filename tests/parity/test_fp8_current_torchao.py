@@ -19,10 +19,10 @@ torch = require("torch")  # first: torch before jax in one process
 require("torchao.float8", "the reference of current scaling")
 from torchao.float8 import CastConfig, Float8LinearConfig  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
-from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
-from torchao.float8.float8_training_tensor import LinearMMConfig, hp_tensor_and_scale_to_float8  # noqa: E402
 
 from ampbridge.core.fp8 import amax_of, current_scale  # noqa: E402
+
+from .fp8_torchao import CASES, TORCH_FP8, assert_same_float8, assert_same_scale, torchao_cast  # noqa: E402
 
 jax = require("jax")
 require("flax")
@@ -32,34 +32,6 @@ import flax.linen as nn  # noqa: E402
 from ampbridge.backends.jax.fp8_current import CurrentScalingDotGeneral, qdq, quantize, scale_of  # noqa: E402
 
 EXAMPLES = 500 if os.environ.get("AMPBRIDGE_FUZZ") else 30
-# float32(1e-12) is below torchao's float64 1e-12 floor: the next float32 is the first amax not floored
-EPS32 = np.nextafter(np.float32(1e-12), np.float32(1))
-TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def assert_same_scale(got, want):
-    """The same float32 bits, or both NaN (payloads differ between XLA and torch)."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    if not (np.isnan(got) and np.isnan(want)):
-        assert got.view(np.uint32) == want.view(np.uint32), (got, want)
-
-
-def assert_same_float8(got, want, fmt):
-    """The same float8 bits; a NaN is any NaN (inf * 0 is NaN with another payload in XLA)."""
-    f8 = getattr(jnp, {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}[fmt])
-    nan = np.isnan(got.view(f8).astype(np.float32))
-    np.testing.assert_array_equal(nan, np.isnan(want.view(f8).astype(np.float32)))
-    np.testing.assert_array_equal(np.where(nan, 0, got), np.where(nan, 0, want))
-
-
-def torchao_cast(x, fmt, scale=None):
-    """torchao's float8 of ``x`` (its own scale, or ``scale``): (scale, the float8 bits)."""
-    t = torch.from_numpy(np.array(x, np.float32))
-    if scale is None:
-        f8 = hp_tensor_to_float8_dynamic(t, TORCH_FP8[fmt], LinearMMConfig())
-    else:
-        f8 = hp_tensor_and_scale_to_float8(t, torch.tensor(scale, dtype=torch.float32), TORCH_FP8[fmt])
-    return f8._scale.numpy(), f8._data.view(torch.uint8).numpy()
 
 
 def ours(x, fmt, margin=0):
@@ -68,12 +40,7 @@ def ours(x, fmt, margin=0):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("x", [
-    np.linspace(-3, 5, 24).reshape(4, 6), np.zeros((3, 2)), np.array([1e-40, -2e-39, 0.0]),
-    np.array([3e38, -1.0, 7.0]), np.array([np.inf, 1.0, -2.0]), np.array([np.nan, 1.0]),
-    np.random.default_rng(0).normal(size=(8, 16)) * 1e4, np.array([EPS32, -0.5e-12]),
-    np.array([np.nextafter(EPS32, np.float32(0)), 1e-13]), np.array([1.5e-12, 0.0]),
-], ids=["ramp", "zeros", "subnormal", "huge", "inf", "nan", "normal", "floor", "below-floor", "above-floor"])
+@pytest.mark.parametrize("x", [x for _, x in CASES], ids=[name for name, _ in CASES])
 def test_scale_and_float8_bits_are_torchaos(x, fmt):
     want_scale, want_bits = torchao_cast(x, fmt)
     got_scale, got_bits = ours(x, fmt)
