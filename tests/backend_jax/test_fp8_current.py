@@ -22,10 +22,11 @@ require("flax")
 optax = require("optax")
 import jax.numpy as jnp  # noqa: E402
 import flax.linen as nn  # noqa: E402
-from flax.training.train_state import TrainState  # noqa: E402
 
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge.backends.jax.fp8_current import CurrentScalingDotGeneral, scale_of  # noqa: E402
+
+from .test_fp8 import batches, train  # noqa: E402
 
 EXAMPLES = 500 if os.environ.get("AMPBRIDGE_FUZZ") else 30
 finite = st.floats(-3.4028234663852886e38, 3.4028234663852886e38, width=32)
@@ -54,27 +55,6 @@ class Net(nn.Module):
         return nn.Dense(16, dtype=self.dtype, dot_general_cls=self.op, name="head")(x)
 
 
-def train(apply_fn, params, n=4):
-    rng = np.random.default_rng(1)
-    data = [(jnp.float32(rng.normal(size=(16, 32)) * 3), jnp.float32(rng.normal(size=(16, 16))))
-            for _ in range(n)]
-    state = TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.05))
-
-    @jax.jit
-    def step(state, x, y):
-        def loss_fn(v):
-            return jnp.mean((state.apply_fn(v, x).astype(jnp.float32) - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    losses = []
-    for x, y in data:
-        state, loss = step(state, x, y)
-        losses.append(float(loss))
-    return state.params, losses
-
-
 @pytest.mark.parametrize("fp8", [
     Fp8Config(("kind:linear",), scaling="current"),
     Fp8Config(("kind:linear",), forward="e5m2", backward="e4m3", scaling="current", margin=3),
@@ -86,8 +66,8 @@ def test_current_scaling_trains_bit_identical_to_the_op_written_by_hand(fp8):
     assert set(params) == {"params"}  # stateless: no fp8 collection to checkpoint
     amp = abj.apply(Net(), Policy(compute_dtype="bfloat16", fp8=fp8))
     assert jax.tree.structure(jax.eval_shape(amp.init, jax.random.key(0), x)) == jax.tree.structure(params)
-    want_params, want = train(hand.apply, params)
-    got_params, got = train(amp.apply, params)
+    want_params, want = train(hand.apply, params, batches(4))
+    got_params, got = train(amp.apply, params, batches(4))
     assert got == want and all(math.isfinite(v) for v in got)
     for a, b, p in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
