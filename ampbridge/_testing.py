@@ -217,6 +217,24 @@ def lowered_ops(stablehlo_text: str) -> "collections.Counter[str]":
     return collections.Counter(op for op in ops if op not in ("func.func", "func.return"))
 
 
+@contextlib.contextmanager
+def aten_op_counts() -> Iterator["collections.Counter[str]"]:
+    """The ATen ops torch dispatches inside the block, by name (a Counter, filled as they run)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: collections.Counter[str] = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        yield ops
+
+
 def compiled_instructions(hlo_text: str) -> int:
     """The instructions of an optimised HLO module (every computation, fusions' bodies included)."""
     return sum(1 for line in hlo_text.splitlines() if re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+ = ", line))

@@ -80,22 +80,11 @@ def _traced_ops(model, train_function, batch):
 
 def _aten_ops(model, batch):
     """The aten ops one call of ``model.train_function`` dispatches (torch runs Keras eagerly)."""
-    import collections
+    from ampbridge._testing import aten_op_counts
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as count:
+    with aten_op_counts() as ops:
         model.train_function([batch])
-    return count.ops
+    return ops
 
 
 def test_unsampled_step_counts_equal_no_monitor(kx, tmp_path):

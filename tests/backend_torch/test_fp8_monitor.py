@@ -106,19 +106,9 @@ def test_delayed_buffers_are_read():
 def test_an_unrecorded_step_dispatches_the_ops_of_a_step_without_a_monitor(tmp_path):
     """every=4: steps 1 and 2 run no float8 hook; their aten ops (syncs and casts included) are the
     unmonitored model's, op for op."""
-    import collections
     import copy
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
+    from ampbridge._testing import aten_op_counts
 
     torch.manual_seed(0)
     base = Net()
@@ -129,11 +119,11 @@ def test_an_unrecorded_step_dispatches_the_ops_of_a_step_without_a_monitor(tmp_p
     with amps[1].monitor(tmp_path / "run.jsonl", every=4):
         for step in range(3):
             for k, (amp, opt) in enumerate(zip(amps, opts)):
-                with Count() as count:
+                with aten_op_counts() as ops:
                     with amp.autocast():
                         out = amp.model(x)
                     amp.step(((out.float() - 1) ** 2).mean(), opt)
-                counts[k].append(count.ops)
+                counts[k].append(ops)
     assert counts[1][0] != counts[0][0]  # step 0 is recorded: the float8 amaxes (and the statistics) cost ops
     assert counts[1][1:] == counts[0][1:]  # steps 1 and 2: nothing more
     assert counts[0][1]["aten.abs.default"] > 0  # torchao's own amaxes are counted there too
