@@ -12,7 +12,9 @@ table also shows what Flax itself takes for those on the same model: its module 
 (every module created and called, no maths: the floor of any linen Plan), its abstract ``init``,
 and its fastest ``nnx.clone``. ampbridge pauses Python's cycle collector while it plans (see
 ``ampbridge.core.plan.gc_paused``); Flax's rows run as Flax runs them. Each figure is the median of
-several rounds (Flax's abstract init: one round); building the models is not counted.
+several rounds (Flax's abstract init: one round); building the models is not counted. The CPU
+column is the median process CPU time of the same rounds: on a loaded machine it moves far less
+than wall time (the target is read against wall time on a quiet machine).
 
 Usage: python benchmarks/bench_scale.py [--frameworks torch,keras,jax,nnx] [--modules N] [--rounds R]
 """
@@ -36,13 +38,15 @@ compute_dtype = "float32"
 
 
 def timed(fn, rounds):
-    times = []
+    times, cpu = [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - t0)
-    times.sort()  # (median, best, first quartile, third quartile, rounds)
-    return (statistics.median(times), times[0], times[len(times) // 4], times[(3 * len(times)) // 4], len(times))
+        cpu.append(time.process_time() - c0)
+    times.sort()  # (median, best, first quartile, third quartile, rounds, median process CPU time)
+    return (statistics.median(times), times[0], times[len(times) // 4], times[(3 * len(times)) // 4], len(times),
+            statistics.median(cpu))
 
 
 def bench_torch(n: int, rounds: int) -> list[tuple[str, float, float]]:
@@ -166,11 +170,11 @@ def main() -> None:
     if args.one:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for fw, what, median, best, q1, q3, n in BENCHES[args.one](args.modules, args.rounds):
-                print(f"RESULT {fw} {what} {median:.4f} {best:.4f} {q1:.4f} {q3:.4f} {n}")
+            for fw, what, median, best, q1, q3, n, cpu in BENCHES[args.one](args.modules, args.rounds):
+                print(f"RESULT {fw} {what} {median:.4f} {best:.4f} {q1:.4f} {q3:.4f} {n} {cpu:.4f}")
         return
     print(f"plan/apply of a {args.modules:,}-module model (median and best of {args.rounds} rounds; target < 1 s)")
-    print(f"{'framework':<10} {'what':<6} {'median s':>9} {'best s':>8} {'IQR s':>13} {'n':>2}  note")
+    print(f"{'framework':<10} {'what':<6} {'median s':>9} {'best s':>8} {'IQR s':>13} {'n':>2} {'CPU s':>6}  note")
     floors = {"linen": ("tree", "Flax's module construction"), "nnx": ("clone", "Flax's nnx.clone")}
     for fw in args.frameworks.split(","):
         proc = subprocess.run([sys.executable, __file__, "--one", fw, "--modules", str(args.modules),
@@ -180,7 +184,7 @@ def main() -> None:
             print(f"{fw:<10} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
             continue
         flax = {what: float(median) for _, name, what, median, *_ in results if name == "flax"}
-        for _, name, what, median, best, q1, q3, n in results:
+        for _, name, what, median, best, q1, q3, n, cpu in results:
             if name == "flax":
                 note = "Flax itself, for scale"
             else:
@@ -189,7 +193,7 @@ def main() -> None:
                 if floor and floor[0] in flax:
                     note += f"; {float(median) / flax[floor[0]]:.2f}x {floor[1]}"
             print(f"{name:<10} {what:<6} {float(median):>9.3f} {float(best):>8.3f} "
-                  f"{f'{float(q1):.3f}-{float(q3):.3f}':>13} {n:>2}  {note}")
+                  f"{f'{float(q1):.3f}-{float(q3):.3f}':>13} {n:>2} {float(cpu):>6.3f}  {note}")
 
 
 if __name__ == "__main__":

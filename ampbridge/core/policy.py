@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -278,9 +279,10 @@ class Policy:
 
     # --- derived views ---
 
-    @property
+    @functools.cached_property
     def rules(self) -> tuple[tuple[str, Rule], ...]:
         """Every pinning rule in the order they apply (later wins): keep_float32, then overrides."""
+        # cached: the policy is frozen, and a backend asks once per layer (10,000 Rule checks per plan)
         pins = tuple((f"keep_float32[{i}]", Rule((p,), "float32", "float32", "float32"))
                      for i, p in enumerate(self.keep_float32))
         return pins + tuple((f"override[{i}]", r) for i, r in enumerate(self.overrides))
