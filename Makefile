@@ -66,8 +66,15 @@ test-core: $(CORE_VENV)/.stamp  ## the framework-free core suite only (about a m
 # every backend is required here: a missing framework fails instead of skipping.
 # Keras picks its backend once per process, so its tests run again under JAX and torch; tf.keras 2
 # (tf_keras) needs TF_USE_LEGACY_KERAS=1 before TensorFlow resolves tf.keras: its own process too.
+# The TensorFlow pass (every suite, ~1,900 tests) runs on TEST_WORKERS pytest-xdist workers, a file per
+# worker (--dist loadfile: a file's tests run in order in one process, as in a serial run); TEST_WORKERS=0
+# runs it serially. The Keras-on-JAX pass stays serial: XLA already compiles on every core (two workers:
+# 233 s against 277 s serial, for twice the memory).
+# Each worker holds TensorFlow, torch and JAX (up to ~5 GB resident): raise it only with the memory for it.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test-all: $(VENV)/.stamp  ## every backend's suite, Keras under TensorFlow, JAX and torch, and tf.keras 2
-	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q --durations=25
+	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=tensorflow $(VENV)/bin/python -m pytest -q $(XDIST) --durations=25
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=jax $(VENV)/bin/python -m pytest -q -m "not heavy" tests/backend_keras
 	AMPBRIDGE_REQUIRE=all KERAS_BACKEND=torch $(VENV)/bin/python -m pytest -q -m "not heavy" tests/backend_keras
 	AMPBRIDGE_REQUIRE=all TF_USE_LEGACY_KERAS=1 $(VENV)/bin/python -m pytest -q tests/backend_tf_keras
