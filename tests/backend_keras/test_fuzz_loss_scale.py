@@ -177,10 +177,10 @@ class _Steps:
 # found by make fuzz on JAX: one gradient and a scale that is not a power of two; XLA's CPU simplifier
 # made ampbridge's unscaling a reciprocal multiply, 1-2 ulp off Keras's division (docs/fuzzing.md).
 # Two finite steps grow the scale (interval 2), the third overflows: each path of the backend
-@example(data=_Steps([None, None, (0, 1, math.inf)]), leaves=[((3,), "float32")], initial_scale=3.0, interval=2,
-         inner="sgd", path=PATHS[0], seed=0)
-@example(data=_Steps([None, None, (0, 1, math.inf)]), leaves=[((3,), "float32")], initial_scale=3.0, interval=2,
-         inner="sgd", path=PATHS[-1], seed=0)
+@example(data=_Steps([None, None, (0, 1, math.inf)]), leaves=[((3,), "float32")], initial_scale=3.0,
+         interval=2, inner="sgd", path=PATHS[0], seed=0)
+@example(data=_Steps([None, None, (0, 1, math.inf)]), leaves=[((3,), "float32")], initial_scale=3.0,
+         interval=2, inner="sgd", path=PATHS[-1], seed=0)
 @given(data=st.data(), leaves=leaves_st, initial_scale=scales, interval=st.integers(1, 4),
        inner=st.sampled_from(sorted(INNER)), path=st.sampled_from(PATHS), seed=st.integers(0, 2**16))
 def test_step_equals_native_loss_scale_optimizer(data, leaves, initial_scale, interval, inner, path, seed):

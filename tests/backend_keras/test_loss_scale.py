@@ -365,7 +365,8 @@ def _sgd_steps(opt, scales_seen):
     for g in grads:
         if BACKEND == "jax":
             weights, values = step(values, [keras.ops.convert_to_tensor(g)], weights)
-            leaf, scale = weights[0], values[next(i for i, x in enumerate(opt.variables) if x is opt.dynamic_scale)]
+            at = next(i for i, x in enumerate(opt.variables) if x is opt.dynamic_scale)
+            leaf, scale = weights[0], values[at]
         else:
             opt.apply([keras.ops.convert_to_tensor(g)], [v])
             leaf, scale = v.value, opt.dynamic_scale.value

@@ -200,9 +200,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The scale after a growth (before ``max_scale``)."""
         return ops.multiply(scale, np.float32(f32(self._config.growth_factor)))
 
-    def _next_state(self, own: list[Any], found_inf: Any, grown: Any = None) -> list[Any]:
-        """The state after a step; ``grown`` is :meth:`_grown` of the scale where the caller has it
-        (only read on finite steps)."""
+    def _next_state(self, own: list[Any], found_inf: Any, candidate: Any = None) -> list[Any]:
+        """The state after a step; ``candidate`` is :meth:`_grown` of the scale where the caller has
+        it (only read on finite steps)."""
         cfg = self._config
         good, scale, hyst, steps, skipped, overflows, streak = own
         one = ops.cast(1, "int32")
@@ -221,7 +221,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             backed = ops.maximum(backed, lo)
         good_plus = ops.add(good, one)
         grow = ops.logical_and(ops.logical_not(found_inf), ops.equal(good_plus, cfg.growth_interval))
-        candidate = self._grown(scale) if grown is None else grown
+        candidate = self._grown(scale) if candidate is None else candidate
         grown = candidate if cfg.max_scale is None else ops.minimum(candidate, np.float32(f32(cfg.max_scale)))
         grown = ops.where(ops.isfinite(candidate), grown, scale)
         scale_new = ops.where(found_inf, ops.where(backoff_now, backed, scale), ops.where(grow, grown, scale))
@@ -452,7 +452,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         else:
             new_weights, new_inner, grown = step()
         state = [own[i] for i in where]
-        for i, x in zip(where, self._next_state(state, ops.logical_not(finite), grown=grown)):
+        for i, x in zip(where, self._next_state(state, ops.logical_not(finite), candidate=grown)):
             own[i] = x
         return new_weights, own + list(new_inner)
 
