@@ -349,3 +349,46 @@ def test_custom_training_loop(kx):
     assert states == trajectory(ODD, ODD_FOUND_INF)
     assert all(np.isfinite(kx.numpy(v)).all() for v in model.weights)
     assert float(kx.numpy(loss_fn(y, model(x)))) < start
+
+
+def _sgd_steps(opt, scales_seen):
+    """Two SGD(0.01) steps of one float32 (3,) leaf through ``opt`` (on JAX its jitted
+    ``stateless_apply``, as ``fit`` runs it); per step the leaf's bits and the scale after it."""
+    v = keras.Variable(np.float32([0.5, -0.25, 0.875]), name="leaf")
+    opt.build([v])
+    grads = [np.float32([12.0, -40.0, 28.0]), np.float32([-36.0, 20.0, 4.0])]
+    out = []
+    if BACKEND == "jax":
+        import jax
+
+        step, values, weights = jax.jit(opt.stateless_apply), [x.value for x in opt.variables], [v.value]
+    for g in grads:
+        if BACKEND == "jax":
+            weights, values = step(values, [keras.ops.convert_to_tensor(g)], weights)
+            at = next(i for i, x in enumerate(opt.variables) if x is opt.dynamic_scale)
+            leaf, scale = weights[0], values[at]
+        else:
+            opt.apply([keras.ops.convert_to_tensor(g)], [v])
+            leaf, scale = v.value, opt.dynamic_scale.value
+        out.append((np.asarray(keras.ops.convert_to_numpy(leaf)).view("u4").tolist(),
+                    float(np.asarray(keras.ops.convert_to_numpy(scale)))))
+    scales_seen.extend(s for _, s in out)
+    return out, grads
+
+
+def test_unscaling_divides_like_native_for_any_scale():
+    """One gradient, scale 3 (not a power of two), growing every step: ampbridge's step equals Keras's
+    own LossScaleOptimizer bit for bit, and both equal v - lr * (g / scale) (found by the fuzzer on JAX,
+    where XLA's CPU simplifier had made ampbridge's division a reciprocal multiply; docs/fuzzing.md)."""
+    policy = MIXED.replace(loss_scale=LossScaleConfig(mode="dynamic", initial_scale=3.0, growth_interval=1))
+    scales = []
+    ours, grads = _sgd_steps(ak.optimizer(keras.optimizers.SGD(0.01), policy), scales)
+    native, _ = _sgd_steps(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=3.0,
+                                                               dynamic_growth_steps=1), [])
+    assert ours == native
+    v, scale = np.float32([0.5, -0.25, 0.875]), np.float32(3.0)
+    for (bits, _), g in zip(ours, grads):
+        v = v - np.float32(0.01) * (g / scale)
+        scale = scale * np.float32(2.0)
+        assert bits == v.view("u4").tolist()
+    assert scales == [6.0, 12.0]

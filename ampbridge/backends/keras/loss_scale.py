@@ -196,7 +196,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- the algorithm, in keras.ops (the same numbers as ampbridge.core.loss_scale.next_state) ---
 
-    def _next_state(self, own: list[Any], found_inf: Any) -> list[Any]:
+    def _grown(self, scale: Any) -> Any:
+        """The scale after a growth (before ``max_scale``)."""
+        return ops.multiply(scale, np.float32(f32(self._config.growth_factor)))
+
+    def _next_state(self, own: list[Any], found_inf: Any, candidate: Any = None) -> list[Any]:
+        """The state after a step; ``candidate`` is :meth:`_grown` of the scale where the caller has
+        it (only read on finite steps)."""
         cfg = self._config
         good, scale, hyst, steps, skipped, overflows, streak = own
         one = ops.cast(1, "int32")
@@ -215,7 +221,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             backed = ops.maximum(backed, lo)
         good_plus = ops.add(good, one)
         grow = ops.logical_and(ops.logical_not(found_inf), ops.equal(good_plus, cfg.growth_interval))
-        candidate = ops.multiply(scale, np.float32(f32(cfg.growth_factor)))
+        candidate = self._grown(scale) if candidate is None else candidate
         grown = candidate if cfg.max_scale is None else ops.minimum(candidate, np.float32(f32(cfg.max_scale)))
         grown = ops.where(ops.isfinite(candidate), grown, scale)
         scale_new = ops.where(found_inf, ops.where(backoff_now, backed, scale), ops.where(grow, grown, scale))
@@ -434,14 +440,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             unscaled = self._unscale(grads, scale)
             self._handed = len(unscaled)
             new_weights, new_inner = self.inner_optimizer.stateless_apply(inner, unscaled, trainable_variables)
-            return list(new_weights), list(new_inner)
+            return list(new_weights), list(new_inner), self._grown(scale)
 
+        # The growth candidate is computed in the step branch, as in Keras's own step: XLA's CPU
+        # simplifier rewrites g / broadcast(s) into g * broadcast(1 / s) when s has no other use in
+        # the branch (one gradient), 1-2 ulp off a division by a scale that is not a power of two
+        # (docs/fuzzing.md); the growth multiply is that other use
         if self._config.skip_nonfinite:
-            new_weights, new_inner = ops.cond(self._takes(finite, [own[i] for i in where]), step,
-                                              lambda: (list(trainable_variables), inner))
+            new_weights, new_inner, grown = ops.cond(self._takes(finite, [own[i] for i in where]), step,
+                                                     lambda: (list(trainable_variables), inner, scale))
         else:
-            new_weights, new_inner = step()
-        for i, x in zip(where, self._next_state([own[i] for i in where], ops.logical_not(finite))):
+            new_weights, new_inner, grown = step()
+        state = [own[i] for i in where]
+        for i, x in zip(where, self._next_state(state, ops.logical_not(finite), candidate=grown)):
             own[i] = x
         return new_weights, own + list(new_inner)
 
