@@ -209,6 +209,7 @@ def _refresh_torch_params(model: Any) -> None:
 
 
 def refresh_compiled(model: Any) -> None:
+    """Rebuild the model's compiled train/test/predict functions (traced again on next use)."""
     # traced train/test/predict functions baked in the old dtypes: rebuild them (lazily traced)
     for kind in ("train", "test", "predict"):
         if getattr(model, f"{kind}_function", None) is not None:
