@@ -95,7 +95,7 @@ FAKED = {
 @pytest.mark.parametrize("case", list(FAKED))
 def test_auto_follows_the_faked_device_and_the_plan_says_why(demo, monkeypatch, inspect, case):
     device, want, why = FAKED[case]
-    monkeypatch.setattr(jax_environment, "_device", lambda: device)
+    monkeypatch.setattr(jax_environment, "device", lambda: device)
     policy = Policy(compute_dtype="auto", keep_float32=("kind:norm",))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -111,7 +111,7 @@ def test_auto_follows_the_faked_device_and_the_plan_says_why(demo, monkeypatch, 
 
 
 def test_auto_on_this_machine():
-    device = jax_environment._device()
+    device = jax_environment.device()
     want, why = _hardware.auto_dtype(device)
     assert device.platform == jax.devices()[0].platform.replace("gpu", "cuda")
     if device.platform == "cpu":
@@ -129,10 +129,10 @@ def test_the_device_description_comes_from_jax(monkeypatch):
         return lambda *a, **k: [types.SimpleNamespace(**attrs)]
 
     monkeypatch.setattr(jax, "devices", fake(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0"))
-    assert jax_environment._device() == Device("cuda", "NVIDIA H100", (9, 0))
+    assert jax_environment.device() == Device("cuda", "NVIDIA H100", (9, 0))
     monkeypatch.setattr(jax, "devices", fake(platform="gpu", device_kind="Tesla T4", compute_capability="7.5"))
-    assert _hardware.auto_dtype(jax_environment._device())[0] == "float16"
+    assert _hardware.auto_dtype(jax_environment.device())[0] == "float16"
     monkeypatch.setattr(jax, "devices", fake(platform="cpu", device_kind="cpu"))
     monkeypatch.setattr(_hardware, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
-    assert jax_environment._device() == Device("cpu", "cpu", None, frozenset({"avx512f", "amx_bf16"}))
-    assert _hardware.auto_dtype(jax_environment._device())[0] == "bfloat16"
+    assert jax_environment.device() == Device("cpu", "cpu", None, frozenset({"avx512f", "amx_bf16"}))
+    assert _hardware.auto_dtype(jax_environment.device())[0] == "bfloat16"

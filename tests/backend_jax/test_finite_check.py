@@ -18,7 +18,7 @@ optax = require("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import ampbridge.jax as abj  # noqa: E402
-from ampbridge.backends.jax.loss_scale import _all_finite  # noqa: E402
+from ampbridge.backends.jax.loss_scale import all_finite  # noqa: E402
 
 SHAPES = [(), (1,), (0,), (3,), (2, 2)]
 
@@ -46,7 +46,7 @@ def test_every_nonempty_leaf_position_skips(order, bad_value):
     for bad_leaf, shape in enumerate(order):
         grads = _tree(order, bad_leaf, bad_value)
         expect_finite = 0 in shape or shape == (0,)
-        assert bool(_all_finite(grads)) is expect_finite
+        assert bool(all_finite(grads)) is expect_finite
         for fn in (tx.update, update):
             updates, new_state = fn(grads, state, params)
             new_params = optax.apply_updates(params, updates)
@@ -63,4 +63,4 @@ def test_all_finite_equals_jmp():
     for shape in SHAPES:
         for bad in (None, jnp.inf):
             tree = [jnp.ones((3,)), jnp.full(shape, jnp.float32(1.0) if bad is None else bad)]
-            assert bool(_all_finite(tree)) == bool(jmp.all_finite(tree))
+            assert bool(all_finite(tree)) == bool(jmp.all_finite(tree))

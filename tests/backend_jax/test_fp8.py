@@ -116,7 +116,7 @@ def test_the_float8_row_says_emulated_only_where_the_device_has_no_float8_units(
     x = batches(1)[0][0]
     amp = abj.apply(Net(), DELAYED.replace(fp8=Fp8Config(("fc1",))))
     assert amp.plan(x)["fc1"].fp8_by == "Flax fp8_ops (emulated)"  # this CPU
-    monkeypatch.setattr(environment, "_device", lambda: Device("cuda", capability=(9, 0)))
+    monkeypatch.setattr(environment, "device", lambda: Device("cuda", capability=(9, 0)))
     assert abj.apply(Net(), DELAYED.replace(fp8=Fp8Config(("fc1",)))).plan(x)["fc1"].fp8_by == "Flax fp8_ops"
 
 

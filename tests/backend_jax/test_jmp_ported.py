@@ -13,7 +13,7 @@ min_loss_scale)`` become :func:`static` / :func:`dynamic`, an :class:`AmpLossSca
 ``scale`` / ``unscale`` run ``ampbridge.jax.scale_loss`` / ``loss_scale.unscale`` on each leaf; ``adjust(finite)``
 is ``ampbridge.backends.jax.loss_scale.next_loss_scale``; ``loss_scale`` / ``counter`` / ``period`` / ``factor`` read the
 state's ``scale`` / ``good_steps`` and the settings. ``jmp.all_finite`` becomes the JAX backend's finite
-check (``_all_finite``, the one its optimizer, ``value_and_grad`` and monitor use). Tests of jmp's own
+check (``all_finite``, the one its optimizer, ``value_and_grad`` and monitor use). Tests of jmp's own
 pytree layout and helpers are listed in NOT_APPLICABLE with the reason.
 """
 
@@ -202,7 +202,7 @@ def test_dynamic_loss_scale_raises_type_error_on_int_min_loss_scale():
 
 @pytest.mark.parametrize("non_finite", [jnp.inf, jnp.nan])
 def test_all_finite(non_finite):
-    all_finite = abj._all_finite
+    all_finite = abj.all_finite
     assert all_finite(None)
     assert all_finite({})
     assert not all_finite({"a": jnp.array(non_finite)})

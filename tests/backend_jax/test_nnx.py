@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge import Policy  # noqa: E402
-from ampbridge.backends.jax.nnx import _nnx_key  # noqa: E402
+from ampbridge.backends.jax.nnx import nnx_key  # noqa: E402
 
 SEEN: list[tuple[str, str, str]] = []
 
@@ -150,7 +150,7 @@ def test_equal_plans_give_equal_graphdefs_and_jit_traces_once(bits_equal):
 
     first, second = abj.apply(block, policy), abj.apply(block, policy)
     assert nnx.graphdef(first) == nnx.graphdef(second) and hash(nnx.graphdef(first)) == hash(nnx.graphdef(second))
-    assert _nnx_key(first) is _nnx_key(second)  # one shared key: jit's per-call comparison stops at `is`
+    assert nnx_key(first) is nnx_key(second)  # one shared key: jit's per-call comparison stops at `is`
     out = forward(first, x)
     assert bits_equal(forward(second, x), out) and traces == ["Block"]
     assert bits_equal(forward(nnx.merge(*nnx.split(second)), x), out) and traces == ["Block"]

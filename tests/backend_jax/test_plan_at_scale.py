@@ -23,7 +23,7 @@ import ampbridge  # noqa: E402
 import ampbridge.jax as abj  # noqa: E402
 from ampbridge import Policy, Rule  # noqa: E402
 from ampbridge.cli.demo.run import EXAMPLES  # noqa: E402
-from ampbridge.backends.jax.linen import _linen_plan  # noqa: E402
+from ampbridge.backends.jax.linen import linen_plan  # noqa: E402
 from ampbridge.jax import resolve_policy  # noqa: E402
 
 CALLS: list[str] = []
@@ -126,8 +126,8 @@ class Scanned(nn.Module):
 
 def plans(model, *inputs, policy=POLICY):
     resolved, notes = resolve_policy(policy, warn=False)
-    fast = _linen_plan(model, resolved, inputs, warn=False, notes=notes)
-    full = _linen_plan(model, resolved, inputs, warn=False, notes=notes, _memo=False)
+    fast = linen_plan(model, resolved, inputs, warn=False, notes=notes)
+    full = linen_plan(model, resolved, inputs, warn=False, notes=notes, _memo=False)
     return fast, full
 
 

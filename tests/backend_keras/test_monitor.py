@@ -18,7 +18,7 @@ import ampbridge.cli.commands  # noqa: E402
 import ampbridge.keras as ak  # noqa: E402
 from ampbridge import LossScaleConfig  # noqa: E402
 from ampbridge.backends.keras import numerics as keras_numerics  # noqa: E402
-from ampbridge.backends.keras.apply import _WRAPPER  # noqa: E402
+from ampbridge.backends.keras.apply import probe_of  # noqa: E402
 from ampbridge.diagnostics.runlog import layer_stats, read_log  # noqa: E402
 
 L = keras.layers
@@ -381,7 +381,7 @@ def test_monitor_leaves_checkpoints_and_model_as_they_were(kx, tmp_path):
     monitor.close()
     assert (len(model.weights), len(model.non_trainable_variables), len(model.optimizer.variables)) == before
     assert "compute_loss" not in model.__dict__ and all(
-        getattr(layer.__dict__.get(_WRAPPER), "probe", None) is None for _, layer in ak.walk(model))
+        probe_of(layer) is None for _, layer in ak.walk(model))
     model.fit(x, y, batch_size=4, verbose=0)  # runs unmonitored
     assert model.optimizer.state.steps == 6
 
@@ -467,3 +467,21 @@ def test_record_twice_logs_once(kx, tmp_path):
     log = read_log(tmp_path / "run.jsonl")
     assert [s["step"] for s in log.steps] == [1]
     assert log.end == {"kind": "end", "steps": 1, "skipped": 0, "first_step": 1, "last_step": 1}  # counted once
+
+
+def test_apply_tells_the_attached_monitor_about_the_new_plan(kx, tmp_path):
+    """apply reaches the monitor through its observers (apply.observe_apply): a re-apply rebuilds
+    the optimizer's record layout from the new rows (their compute dtypes set the thresholds);
+    a closed monitor observes nothing."""
+    model = _chain(kx, [])
+    ak.apply(model, MIXED)
+    model.compile(ak.optimizer(keras.optimizers.SGD(1e-3), MIXED), "mse")
+    monitor = ak.Monitor(tmp_path / "run.jsonl", model)
+    assert {path: dtype for path, dtype, _ in model.optimizer.monitor_spec.stats} == {"a": "float16",
+                                                                                     "head": "float16"}
+    ak.apply(model, MIXED.replace(keep_float32=("head",)))
+    assert {path: dtype for path, dtype, _ in model.optimizer.monitor_spec.stats} == {"a": "float16",
+                                                                                     "head": "float32"}
+    monitor.close()
+    ak.apply(model, MIXED)
+    assert model.optimizer.monitor_spec is None

@@ -198,22 +198,22 @@ def test_jax_unsampled_steps_are_read_at_the_next_sample(kx, tmp_path, monkeypat
         model, callbacks = _model(kx, monitored_path=tmp_path / f"{every}.jsonl", every=every)
         if every == 5:
             reads, windows = [], []
-            device_get, flush = jax.device_get, sampling._FitDispatch.flush
+            device_get, flush = jax.device_get, sampling.FitDispatch.flush
             monkeypatch.setattr(jax, "device_get", lambda tree: reads.append(tree) or device_get(tree))
             monkeypatch.setattr(sampling, "host_value", lambda value: reads.append(value) or np.asarray(value))
 
             def spy(self):
                 windows.append([step for step, _, _ in self._window])
                 return flush(self)
-            monkeypatch.setattr(sampling._FitDispatch, "flush", spy)
-            late_step = sampling._FitDispatch._late_step
+            monkeypatch.setattr(sampling.FitDispatch, "flush", spy)
+            late_step = sampling.FitDispatch._late_step
 
             def unread(self, *args):
                 before = len(reads)
                 out = late_step(self, *args)
                 assert len(reads) == before  # queued, nothing read
                 return out
-            monkeypatch.setattr(sampling._FitDispatch, "_late_step", unread)
+            monkeypatch.setattr(sampling.FitDispatch, "_late_step", unread)
             copies, copy_state = [], sampling._copy_state
             monkeypatch.setattr(sampling, "_copy_state", lambda state: copies.append(1) or copy_state(state))
         got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
@@ -280,12 +280,12 @@ def test_jax_windows_are_read_at_least_every_window_steps(kx, tmp_path, monkeypa
     plain, _ = _model(kx)
     want = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     model, callbacks = _model(kx, monitored_path=tmp_path / "run.jsonl", every=1000)
-    windows, flush = [], sampling._FitDispatch.flush
+    windows, flush = [], sampling.FitDispatch.flush
 
     def spy(self):
         windows.append([step for step, _, _ in self._window])
         return flush(self)
-    monkeypatch.setattr(sampling._FitDispatch, "flush", spy)
+    monkeypatch.setattr(sampling.FitDispatch, "flush", spy)
     got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks).history
     callbacks[0].close()
     assert [w for w in windows if w] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]

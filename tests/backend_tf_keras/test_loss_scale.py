@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 import ampbridge  # noqa: E402
 import ampbridge.tf_keras as atk  # noqa: E402
 from ampbridge import LossScaleConfig, UnsupportedOptionError  # noqa: E402
-from ampbridge.backends.tf_keras.loss_scale import _ReferenceState  # noqa: E402
+from ampbridge.backends.tf_keras.loss_scale import ReferenceState  # noqa: E402
 
 
 def drive(opt, found_infs, compiled=False):
@@ -74,7 +74,7 @@ sequences = st.lists(st.booleans(), min_size=1, max_size=14)
 def test_optimizer_traces_the_reference(cfg, found_infs):
     opt = atk.optimizer(tf_keras.optimizers.SGD(1.0), policy_with(cfg))
     assert isinstance(opt, tf_keras.mixed_precision.LossScaleOptimizer)
-    assert isinstance(opt._loss_scale, _ReferenceState) != atk.keras2_expressible(cfg)
+    assert isinstance(opt._loss_scale, ReferenceState) != atk.keras2_expressible(cfg)
     assert drive(opt, found_infs) == reference(cfg, found_infs)
 
 

@@ -11,7 +11,7 @@ from ampbridge import Policy
 
 torch = ampbridge._testing.require("torch")
 import ampbridge.torch as abt  # noqa: E402
-from ampbridge.backends.torch.layers import _class_name  # noqa: E402
+from ampbridge.backends.torch.layers import class_name  # noqa: E402
 from ampbridge.backends.torch.environment import cpu_lstm_runs  # noqa: E402
 from ampbridge.backends.torch.plan import _behaviour, realise_plan  # noqa: E402
 
@@ -199,7 +199,7 @@ def test_scripted_models_are_planned_by_their_original_classes():
 def test_fsdp2_classes_report_their_base_name():
     FSDPModule = type("FSDPModule", (), {})
     fsdp_norm = type("FSDPLayerNorm", (FSDPModule, nn.LayerNorm), {})(4)
-    assert _class_name(fsdp_norm) == "LayerNorm" and abt.kind_of(fsdp_norm) == "norm"
+    assert class_name(fsdp_norm) == "LayerNorm" and abt.kind_of(fsdp_norm) == "norm"
 
 
 def test_bilinear_fed_lower_precision_runs_in_it(probe):

@@ -1,8 +1,11 @@
 """Rooms talk through explicit interfaces: held by reading the source (ast), no framework imported.
 
-Two lines held: (1) the three places that read another room's private attributes read its public
-interface now (Keras fit sampling -> ``Monitor.sampling_hooks``; the JAX monitor -> ``Applied``'s
-``resolver``/``known_paths``/``rows_for_paths``; the demo and torch's trace -> ``TorchAmp.realisation``);
+Two lines held: (1) the places that read another room's private attributes read its public
+interface now (Keras fit sampling -> ``Monitor.sampling_hooks``; Keras apply -> its observers
+(``observe_apply``), not the monitor's ``_refresh``; the Keras monitor -> the optimizer's ``monitor_*``
+interface; the JAX monitor -> ``Applied``'s ``resolver``/``known_paths``/``rows_for_paths``, sampling's
+``Window`` and an NNX key's fields; JAX's model walk -> ``nnx.nnx_layers``; the demo and
+torch's trace -> ``TorchAmp.realisation``);
 (2) per backend, the number of private names a module imports from another ampbridge module
 (unique (importer, module, name)) stays at or under what it is now (``python tests/core/test_rooms.py``
 prints the counts and the largest clusters).
@@ -21,14 +24,18 @@ PACKAGE = ROOT / "ampbridge"
 #: file -> the names whose private attributes it must not read (the owner's interface is public)
 NO_PRIVATE_READS = {
     "backends/keras/sampling.py": ("monitor", "self.monitor"),
-    "backends/jax/monitor.py": ("model",),
+    "backends/keras/apply.py": ("monitor", "observer"),
+    "backends/keras/monitor.py": ("optimizer", "self.optimizer"),
+    "backends/jax/monitor.py": ("model", "window", "key"),
+    "backends/jax/layers.py": ("room_above(__package__, 'nnx')",),
     "backends/jax/schedule.py": ("self.amp",),
     "backends/torch/trace.py": ("amp",),
     "cli/demo/runners.py": ("amp",),
 }
 
-#: backend -> most cross-room private imports allowed (before the split: torch 29, jax 103, keras 53, tf_keras 17)
-CEILING = {"torch": 14, "jax": 31, "keras": 38, "tf_keras": 17}
+#: backend -> most cross-room private imports allowed (before the split: torch 29, jax 103, keras 53, tf_keras 17;
+#: before the Keras and JAX monitors' interfaces: torch 14, jax 31, keras 38, tf_keras 17)
+CEILING = {"torch": 0, "jax": 0, "keras": 0, "tf_keras": 0}
 
 
 def _private_reads(relative: str, bases: tuple[str, ...]) -> list[str]:

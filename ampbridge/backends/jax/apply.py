@@ -23,15 +23,15 @@ from .environment import DTYPES, FRAMEWORK, MATMUL_PRECISION, linen_module, phas
 from .layers import Facts, Resolver
 from .linen import (
     Observed,
-    _is_frozen,
-    _linen_plan,
-    _LinenInterceptor,
-    _needs_classes,
-    _param_paths,
-    _keep_state_dtypes,
-    _trace_state,
+    is_frozen,
+    linen_plan,
+    LinenInterceptor,
+    needs_classes,
+    param_paths,
+    keep_state_dtypes,
+    trace_state,
 )
-from .nnx import _apply_nnx, _nnx_copy, _nnx_layers
+from .nnx import apply_nnx, nnx_copy, nnx_layers
 
 
 class Applied:
@@ -103,7 +103,7 @@ class Applied:
     # -- the Flax API --
     def _interceptor(self, observer: Callable | None = None) -> Any:
         self._resolver.settle(self._known)  # inferred kinds as the whole tree settles them
-        return _LinenInterceptor(self._resolver, record=self._known, observer=observer, fixed=self._fixed)
+        return LinenInterceptor(self._resolver, record=self._known, observer=observer, fixed=self._fixed)
 
     @contextlib.contextmanager
     def _scope(self, interceptor: Any):
@@ -118,10 +118,10 @@ class Applied:
         holds (:func:`~ampbridge.core.kinds.settle_kinds`) before any parameter is made."""
         if self._known or not any(m.startswith("kind:") for _, rule in self.policy.rules for m in rule.match):
             return
-        recorder = _LinenInterceptor(self._resolver, record=self._known, memo={}, fixed=self._fixed)
+        recorder = LinenInterceptor(self._resolver, record=self._known, memo={}, fixed=self._fixed)
 
         def run() -> Any:
-            recorder.top_trace = _trace_state()
+            recorder.top_trace = trace_state()
             with linen_module().intercept_methods(recorder):
                 return self.module.init(rngs, *args, method=method, **kwargs)
 
@@ -171,7 +171,7 @@ class Applied:
         out_dtype = DTYPES[self.policy.output_dtype]
         if mutable is not False:
             out, state = result
-            return cast_tree(out, out_dtype), _keep_state_dtypes(state, before)
+            return cast_tree(out, out_dtype), keep_state_dtypes(state, before)
         return cast_tree(result, out_dtype)
 
     __call__ = apply
@@ -210,15 +210,15 @@ class Applied:
     def _ensure_known(self, variables: Any, args: tuple, kwargs: dict, paths: set[str] | None = None,
                       **apply_kw: Any) -> None:
         if paths is None:
-            paths = _param_paths(variables.get("params", {}) if isinstance(variables, Mapping) else {})
+            paths = param_paths(variables.get("params", {}) if isinstance(variables, Mapping) else {})
         if all(p in self._known and p in self._fixed for p in paths):
             return
         # learn the module tree (classes, kinds, the author's dtypes) by tracing once; nothing is computed
-        recorder = _LinenInterceptor(self._resolver, record=self._known, memo={}, fixed=self._fixed)
+        recorder = LinenInterceptor(self._resolver, record=self._known, memo={}, fixed=self._fixed)
 
         def run() -> Any:
             nn = linen_module()
-            recorder.top_trace = _trace_state()
+            recorder.top_trace = trace_state()
             with nn.intercept_methods(recorder):
                 # mutable: collections the variables lack (a params-only checkpoint of a model whose [fp8]
                 # layers keep scales in _overwrite_with_gradient) are created in the trace, not an error
@@ -231,7 +231,7 @@ class Applied:
         if not isinstance(variables, Mapping) or "params" not in variables:
             return variables
         params = variables["params"]
-        paths = _param_paths(params)
+        paths = param_paths(params)
         self._ensure_known(variables, args, kwargs, paths, **apply_kw)
         rows = self.rows_for_paths(paths)
         return {**variables, "params": self._cast_by_row(params, rows, "compute_dtype")}
@@ -263,24 +263,24 @@ class Applied:
         out = dict(variables)  # batch_stats, caches: the dtypes their modules created them in
         if "params" in variables:
             params = variables["params"]
-            paths = _param_paths(params)
+            paths = param_paths(params)
             unknown = [p for p in paths if p not in self._known]
             if unknown and example_inputs:
                 self._ensure_known(variables, example_inputs, kwargs, paths)
-            elif unknown and _needs_classes(self.policy):
+            elif unknown and needs_classes(self.policy):
                 raise ValueError(
                     f"cast_params: the module tree is not known yet (e.g. {unknown[0]!r}), and this policy's "
                     "kind:/type: rules need it; call init/apply/plan first or pass example inputs: "
                     "amp.cast_params(variables, x)")
             rows = self.rows_for_paths(paths)
             out["params"] = self._cast_by_row(params, rows, "param_dtype")
-        return type(variables)(out) if type(variables) is not dict and _is_frozen(variables) else out
+        return type(variables)(out) if type(variables) is not dict and is_frozen(variables) else out
 
     # -- the Plan --
     def plan(self, *example_inputs: Any, rngs: Any = None, method: Any = None, warn: bool = True,
              **kwargs: Any) -> Plan:
         """The Plan of this module under the phase in force (``example_inputs`` as for ``init``)."""
-        return _linen_plan(self.module, self.policy, example_inputs, rngs=rngs, method=method, warn=warn,
+        return linen_plan(self.module, self.policy, example_inputs, rngs=rngs, method=method, warn=warn,
                            notes=self.notes, known=self._known, **kwargs)
 
 
@@ -310,14 +310,14 @@ def apply(model: Any, policy: Policy | str) -> Any:
         return Applied(model, policy)
     if nnx is not None and isinstance(model, nnx.Module):
         with gc_paused():  # one walk of the copy serves the refusal and the conversion
-            copy = _nnx_copy(model)
-            described = _nnx_layers(copy)
+            copy = nnx_copy(model)
+            described = nnx_layers(copy)
         _refuse_applied_nnx(described.instances)
         resolved, notes = resolve_policy(policy)
         if resolved.uses_fp8:
             raise UnsupportedOptionError("the [fp8] table is not realised on flax.nnx models (Flax's fp8_ops are "
                                          "linen modules); use a linen model, or leave [fp8] out")
-        return _apply_nnx(copy, phase_policy(resolved), notes, described)
+        return apply_nnx(copy, phase_policy(resolved), notes, described)
     raise TypeError(f"ampbridge.jax.apply needs a flax.linen.Module or a flax.nnx.Module; received "
                     f"{type(model).__module__}.{type(model).__qualname__}. For plain pytrees "
                     "(equinox, haiku) use ampbridge.jax.cast(tree, policy)")

@@ -3,7 +3,7 @@
 imported on first use.
 
 Holds: FRAMEWORK, MATMUL_PRECISION, dtype, resolve_policy, DTYPES, _require, linen_module, nnx_module,
-optax_module, is_floating, is_float_array, _device, phase_policy.
+optax_module, is_floating, is_float_array, device, phase_policy.
 """
 
 from __future__ import annotations
@@ -95,7 +95,14 @@ def is_float_array(x: Any) -> bool:
 
 # --- policies -----------------------------------------------------------------------------------
 
-def _device() -> Any:
+def device() -> Any:
+    """The default JAX device as ``ampbridge.diagnostics.hardware.Device`` (what ``compute_dtype =
+    "auto"`` and the float8 emulation note are decided on).
+
+    Example:
+        >>> device().platform in ("cpu", "cuda", "tpu", "rocm", "mps")
+        True
+    """
     from ...diagnostics.hardware import Device, cpu_flags
 
     dev = jax.devices()[0]
@@ -123,7 +130,7 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
         >>> resolve_policy("mixed_bfloat16")[0].compute_dtype
         'bfloat16'
     """
-    resolved, notes = _common.resolve_policy(policy, FRAMEWORK, _device, warn=warn)
+    resolved, notes = _common.resolve_policy(policy, FRAMEWORK, device, warn=warn)
     wire = {p.reduce_dtype for p in [resolved] + [ph.policy for ph in resolved.phases] if p.reduce_dtype != p.param_dtype}
     if wire:  # nothing in a model decides the all-reduce: say where reduce_dtype is realised
         notes += (f"reduce_dtype {'/'.join(sorted(wire))} (not param_dtype) is realised where gradients are "

@@ -43,10 +43,10 @@ def mark_rows(plan: Plan) -> Plan:
         return plan
     from ...diagnostics.doctor import emulation_note
     from ...diagnostics.hardware import Device
-    from .environment import _device
+    from .environment import device
 
     # current scaling's op dots float32 dequantised values on every device: emulated everywhere
-    note = {"delayed": emulation_note(_device(), "jax"), "current": emulation_note(Device("cpu"), "jax")}
+    note = {"delayed": emulation_note(device(), "jax"), "current": emulation_note(Device("cpu"), "jax")}
     return replace(plan, rows=tuple(replace(r, fp8_by=REALISED_BY[r.fp8_scaling] + note[r.fp8_scaling])
                                     if r.fp8 else r for r in plan.rows))
 

@@ -376,7 +376,7 @@ def layers(model: Any, *example_inputs: Any, **kwargs: Any) -> list[Layer]:
     """
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(model, nnx.Module):
-        return list(room_above(__package__, "nnx")._nnx_layers(model).layers)
+        return list(room_above(__package__, "nnx").nnx_layers(model).layers)
     if isinstance(model, Mapping):
         return tree_layers(model)
     # linen (or its Applied): the rows of its trace, in the order it met them (plan refuses anything else)

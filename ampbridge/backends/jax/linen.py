@@ -110,7 +110,7 @@ def _float_dtypes(tree: Any) -> tuple[str, ...]:
     return tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if is_float_array(x))
 
 
-def _trace_state() -> Any:
+def trace_state() -> Any:
     """The JAX trace in force (comparable with ``==``), or None where this JAX cannot say."""
     try:
         from jax.extend.core import get_opaque_trace_state
@@ -185,7 +185,7 @@ def _own_param_count(module: Any) -> int:
 _FP8_OPS = frozenset({"Fp8DirectDotGeneralOp", "Fp8Einsum", "Fp8DotGeneralOp"})
 
 
-class _LinenInterceptor:
+class LinenInterceptor:
     """The method interceptor: every module method runs in its Plan row's dtypes.
 
     With ``memo`` (planning only: under ``jax.eval_shape``, nothing computed), a *leaf* call (one
@@ -283,7 +283,7 @@ class _LinenInterceptor:
         # the key reads the module's config as this row runs it
         with _attributes(module, **attrs):
             key = _call_key(module, method, args, kwargs, row)
-        if key is not None and (self.top_trace is None or _trace_state() != self.top_trace):
+        if key is not None and (self.top_trace is None or trace_state() != self.top_trace):
             return None  # inside a lifted transform (another trace, other shapes), or cannot tell
         return key
 
@@ -331,11 +331,12 @@ def _own_param_counts(params: Any) -> dict[str, int]:
     return counts
 
 
-def _param_paths(params: Any) -> set[str]:
+def param_paths(params: Any) -> set[str]:
+    """The module paths that own parameters in a linen ``params`` tree."""
     return set(_own_param_counts(params))
 
 
-def _keep_state_dtypes(state: Any, before: Any) -> Any:
+def keep_state_dtypes(state: Any, before: Any) -> Any:
     """Mutable collections as the module made them: a leaf that came in (``before``) goes out in the
     dtype it came in with, a new one (created by this call) in the dtype its module created it in.
 
@@ -359,11 +360,13 @@ def _keep_state_dtypes(state: Any, before: Any) -> Any:
             else value for name, value in state.items()}
 
 
-def _needs_classes(policy: Policy) -> bool:
+def needs_classes(policy: Policy) -> bool:
+    """Whether a rule matches by ``kind:``/``type:`` (so a module's class must be known to place it)."""
     return any(m.startswith(("kind:", "type:")) for _, rule in policy.rules for m in rule.match)
 
 
-def _is_frozen(variables: Any) -> bool:
+def is_frozen(variables: Any) -> bool:
+    """Whether ``variables`` is a Flax ``FrozenDict`` (what ``init`` gives back keeps its type)."""
     try:
         from flax.core import FrozenDict
     except ImportError:  # pragma: no cover
@@ -372,20 +375,23 @@ def _is_frozen(variables: Any) -> bool:
 
 
 @gc_paused()  # a Plan of a large model is an allocation storm; see gc_paused
-def _linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any = None,
+def linen_plan(module: Any, policy: Policy, example_inputs: tuple, *, rngs: Any = None,
                 method: Any = None, warn: bool = True, notes: tuple[str, ...] = (), known: dict | None = None,
                 _memo: bool = True, **kwargs: Any) -> Plan:
+    """The Plan of a linen module, walked by one abstract call on ``example_inputs`` (nothing
+    computed; a repeated leaf call traced once unless ``_memo=False``): ``ampbridge.jax.plan``'s and
+    ``Applied.plan``'s linen side."""
     nn = linen_module()
     if not example_inputs and not kwargs:
         raise TypeError("a flax.linen module's layers are only known once it runs: pass example "
                         "inputs, as in ampbridge.plan(module, policy, x) (they are traced, not computed)")
     record: dict[str, tuple[str | None, str, Any]] = {}
-    recorder = _LinenInterceptor(Resolver(policy), record=record, memo={} if _memo else None)
+    recorder = LinenInterceptor(Resolver(policy), record=record, memo={} if _memo else None)
     if rngs is None:
         rngs = jax.random.key(0)
 
     def run() -> Any:
-        recorder.top_trace = _trace_state()
+        recorder.top_trace = trace_state()
         with nn.intercept_methods(recorder):
             return module.init(rngs, *example_inputs, method=method, **kwargs)
 

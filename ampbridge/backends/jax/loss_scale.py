@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -129,10 +129,17 @@ def _initial(cfg: LossScaleConfig) -> PackedLossScale:
     return PackedLossScale.from_reference(_reference_initial_state(cfg))
 
 
-_F32_INF_BITS = 0x7F800000
+F32_INF_BITS = 0x7F800000  # float32 +inf's bit pattern: a finite float32's |bits| are below it
 
 
-def _f32_bits(x: float) -> int:
+def f32_bits(x: float) -> int:
+    """``x`` rounded to float32, as its int32 bit pattern (the exact scale arithmetic and the
+    statistics compare magnitudes as bits).
+
+    Example:
+        >>> f32_bits(1.0) == 0x3F800000, f32_bits(float("inf")) == F32_INF_BITS
+        (True, True)
+    """
     return int(np.asarray(x, np.float32).view(np.int32))
 
 
@@ -146,7 +153,7 @@ def _mul_exact(x: jax.Array, factor: float) -> jax.Array:
     """
     i32, f32 = jnp.int32, jnp.float32
     c = np.float32(factor)
-    cbits = _f32_bits(c)
+    cbits = f32_bits(c)
     c_exp, c_man = (cbits >> 23) & 0xFF, cbits & 0x7FFFFF
     mc, ec = (c_man, -149) if c_exp == 0 else (c_man | 0x800000, c_exp - 150)
     bits = jax.lax.bitcast_convert_type(x, i32)
@@ -168,7 +175,7 @@ def _mul_exact(x: jax.Array, factor: float) -> jax.Array:
     low = jnp.floor(y)
     tie = (y - low) == f32(0.5)
     rounded = jnp.where(tie & (err > 0), low + 1, jnp.where(tie & (err < 0), low, jnp.round(y)))
-    out = jnp.where(hi == 0, 0, jnp.where(r_exp >= 255, _F32_INF_BITS,
+    out = jnp.where(hi == 0, 0, jnp.where(r_exp >= 255, F32_INF_BITS,
                                           jnp.where(r_exp >= 1, normal, rounded.astype(i32))))
     return jax.lax.bitcast_convert_type(out.astype(i32), f32)
 
@@ -237,7 +244,7 @@ def _unscaled_and_finite(cfg: LossScaleConfig, ls: PackedLossScale, updates: Any
         grads = jax.tree_util.tree_map(lambda g: _unscale_leaf(g, inv), updates)
     else:
         grads = updates
-    finite = _all_finite(grads) if checks_finite else jnp.ones((), bool)
+    finite = all_finite(grads) if checks_finite else jnp.ones((), bool)
     if axis_name is not None and checks_finite:  # data parallel: every device skips together
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
     return grads, finite
@@ -274,7 +281,7 @@ def _backed_off(cfg: LossScaleConfig, scale: jax.Array, backed: jax.Array, backo
         return jnp.maximum(backed, f32(cfg.min_scale)), event
     if cfg.min_scale is not None:
         # non-negative float32 values order like their bit patterns: compare those (no flushing)
-        floor_bits = _f32_bits(cfg.min_scale)
+        floor_bits = f32_bits(cfg.min_scale)
         event = backoff & (_as_int(scale) == floor_bits)
         return _as_f32(jnp.maximum(_as_int(backed), floor_bits)), event
     return backed, jnp.zeros((), bool)
@@ -286,7 +293,7 @@ def _grown(cfg: LossScaleConfig, grown: jax.Array, grow: jax.Array) -> tuple[jax
     if cfg.max_scale is not None and np.float32(cfg.max_scale) >= np.finfo(np.float32).tiny:
         grown = jnp.minimum(grown, np.float32(cfg.max_scale))
     elif cfg.max_scale is not None:
-        grown = _as_f32(jnp.minimum(_as_int(grown), _f32_bits(cfg.max_scale)))
+        grown = _as_f32(jnp.minimum(_as_int(grown), f32_bits(cfg.max_scale)))
     return grown, grown_ok
 
 
@@ -337,7 +344,7 @@ def initial_loss_scale(config: Policy | LossScaleConfig | str) -> PackedLossScal
     return _initial(cfg)
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
     """Whether every floating leaf of ``tree`` is finite, as one boolean.
 
     The one finite check of this backend: the optimizer, ``value_and_grad`` and the monitor all call
@@ -345,7 +352,7 @@ def _all_finite(tree: Any) -> jax.Array:
     ``lax.reduce``'s start value is not a fold: XLA may drop the start value of a reduction over one
     element or none, which let a scalar, size-1 or empty last leaf decide alone.)
 
-    >>> bool(_all_finite({"w": jnp.array([1.0, jnp.inf]), "b": jnp.ones(())}))
+    >>> bool(all_finite({"w": jnp.array([1.0, jnp.inf]), "b": jnp.ones(())}))
     False
     """
     finite = jnp.ones((), bool)
@@ -363,6 +370,35 @@ def _unscale_leaf(g: Any, inv: jax.Array) -> Any:
     if g.dtype == jnp.float64:
         return g * inv.astype(jnp.float64)
     return (g.astype(jnp.float32) * inv).astype(g.dtype)  # half grads: unscale in float32
+
+
+def skip_decision(cfg: Any, ls: Any, owned: Mapping[str, list]) -> tuple[jax.Array, jax.Array, dict]:
+    """found_inf and skipped exactly as the optimizer decides them (the same ops: XLA shares them
+    when the monitor's step also runs the optimizer), and whether each layer's unscaled gradients
+    are non-finite: what ``ampbridge.jax.numerics`` records. ``owned``: layer path -> its gradient leaves.
+
+    Example:
+        >>> import ampbridge
+        >>> cfg = ampbridge.preset("mixed_float16").resolved_loss_scale
+        >>> grads = {"a": [jnp.ones(2)], "b": [jnp.array([jnp.inf])]}
+        >>> finite, skipped, bad = skip_decision(cfg, initial_loss_scale(cfg), grads)
+        >>> bool(finite), bool(skipped), {p: bool(v) for p, v in bad.items()}
+        (False, True, {'a': False, 'b': True})
+    """
+    scaled_mode = cfg.mode in ("dynamic", "static")
+    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
+    inv = jnp.ones((), jnp.float32) / ls.scale
+    bad_layer = {path: ~all_finite([_unscale_leaf(g, inv) if scaled_mode else g for g in leaves_])
+                 for path, leaves_ in owned.items()}
+    finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
+              if checks_finite else jnp.ones((), bool))
+    _, halted = _advance(cfg, ls, ~finite)
+    skipped = jnp.zeros((), bool)
+    if cfg.skip_nonfinite:
+        skipped = skipped | ~finite
+    if cfg.on_min_scale == "error" and cfg.min_scale is not None:
+        skipped = skipped | halted
+    return finite, skipped, bad_layer
 
 
 def _host_report(kind: str, limit: float | None) -> Callable:
@@ -498,7 +534,8 @@ def _unwrap_variables(tree: Any) -> Any:
     return jax.tree_util.tree_map(value, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def _find_states(tree: Any) -> list[PackedLossScale]:
+def find_states(tree: Any) -> list[PackedLossScale]:
+    """Every ampbridge loss-scale state in ``tree`` (an optimizer state, a training state), in leaf order."""
     tree = _unwrap_variables(tree)
     if isinstance(tree, PackedLossScale):
         return [tree]
@@ -510,7 +547,7 @@ def _find_states(tree: Any) -> list[PackedLossScale]:
 def loss_scale(opt_state: Any) -> PackedLossScale:
     """The :class:`PackedLossScale` inside an optimizer state (any optax chain, ``MultiSteps``,
     ``inject_hyperparams``, or an ``nnx.Optimizer``)."""
-    found = _find_states(opt_state)
+    found = find_states(opt_state)
     if len(found) == 1:
         return found[0]
     if not found:
@@ -577,10 +614,6 @@ def reset_loss_scale(opt_state: Any, policy: Policy | LossScaleConfig | str) -> 
         return x
 
     return jax.tree_util.tree_map(swap, opt_state, is_leaf=lambda x: isinstance(x, AmpState))
-
-
-def _loss_scale_configs(policy: Policy) -> Any:
-    return phase_policy(policy).resolved_loss_scale
 
 
 def enter_phase(opt_state: Any, config: LossScaleConfig, previous: LossScaleConfig | None = None, *,

@@ -18,11 +18,11 @@ from ...core import io as _io
 from ...core.plan import Plan
 from .apply import Applied
 from .environment import FRAMEWORK
-from .loss_scale import _advance, _all_finite, _unscale_leaf, loss_scale, scale_loss, value_and_grad
-from .nnx import _nnx_key, _nnx_path
-from .sampling import _restore, _scale_state, _snapshot, _Window
+from .loss_scale import loss_scale, scale_loss, skip_decision, value_and_grad
+from .nnx import nnx_key, nnx_path
+from .sampling import Window
 from .stats import attribute, layer_statistics, leaves_of, owned_leaves
-from .watch import _WATCH, _Watch, _boundary_origin, _first_boundary
+from .watch import Watch, boundary_origin, first_boundary, watch_scope
 
 if TYPE_CHECKING:
     from ...diagnostics.runlog import RunLogWriter
@@ -162,12 +162,9 @@ def _numerics_run(model: Applied | Any, owner: Any, key: Any, loss_fn: Callable[
                   target: Any, *args: Any) -> tuple[Any, Any, Numerics]:
     """One call of :func:`numerics`' step: the scaled value and gradients, then the statistics."""
 
-    def call(p: Any, watch: _Watch | None) -> Any:
-        token = _WATCH.set(watch)
-        try:
+    def call(p: Any, watch: Watch | None) -> Any:
+        with watch_scope(watch):
             return loss_fn(p, *args)
-        finally:
-            _WATCH.reset(token)
 
     order, leaves, events = _discover(owner, key, call, target) if watching else ([], [], [])
     probes = {path: jnp.zeros((2,), jnp.float32) for path in leaves}
@@ -176,7 +173,7 @@ def _numerics_run(model: Applied | Any, owner: Any, key: Any, loss_fn: Callable[
 
     def scaled(p: Any, both: Any) -> tuple[jax.Array, tuple]:
         probes, edges = both
-        out = call(p, _Watch(owner, probes, inputs=watch_inputs, edges=edges) if watching else None)
+        out = call(p, Watch(owner, probes, inputs=watch_inputs, edges=edges) if watching else None)
         loss, aux = out if has_aux else (out, None)
         value = scale_loss(loss, opt_state)
         return value, (loss, aux, value)
@@ -186,7 +183,7 @@ def _numerics_run(model: Applied | Any, owner: Any, key: Any, loss_fn: Callable[
         target, (probes, edges))
     position, owned, compute = _owned_by_layer(model, key, grads, order)
     layers = list(owned)
-    finite, skipped, bad_layer = _skip_decision(cfg, ls, owned)
+    finite, skipped, bad_layer = skip_decision(cfg, ls, owned)
     sampled, counts, magnitudes = _sampled_statistics(every, finite, ls, owned, compute)
     paths, (where, origin, out_flags, grad_flags) = _attribution(
         finite, ~jnp.isfinite(value), order, leaves, events, layers, position, probe_grads, edge_grads,
@@ -205,7 +202,7 @@ def _numerics_run(model: Applied | Any, owner: Any, key: Any, loss_fn: Callable[
 def _numerics_target(model: Any) -> tuple[Any, Any, Any]:
     """The path resolver, the policy in force and (NNX) the model's key, of an applied model."""
     nnx = sys.modules.get("flax.nnx")
-    key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
+    key = nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
     if isinstance(model, Applied):
         return model.resolver, model.policy, None
     if key is not None:
@@ -230,7 +227,7 @@ def _discover(owner: Any, key: Any, call: Callable[[Any, Any], Any], target: Any
               ) -> tuple[list[str], list[str], list]:
     """One abstract trace of the loss: the modules in forward order, the leaf modules, and the
     boundary events (the root's output excluded: a non-finite one is the loss's business)."""
-    discovery = _Watch(owner)
+    discovery = Watch(owner)
     if key is None:
         jax.eval_shape(lambda p: call(p, discovery), target)
     else:  # on a throwaway copy: the model's own state is left alone
@@ -253,8 +250,8 @@ def _owned_by_layer(model: Any, key: Any, grads: Any, order: list[str]
         for keypath, var in sys.modules["flax.nnx"].to_flat_state(grads):
             g = var.get_value() if hasattr(var, "get_value") else var.value
             if jnp.issubdtype(jnp.result_type(g), jnp.floating):
-                path = _nnx_path(keypath)
-                owned.setdefault(key.owners.get(path, _nnx_path(keypath[:-1])), []).append(g)
+                path = nnx_path(keypath)
+                owned.setdefault(key.owners.get(path, nnx_path(keypath[:-1])), []).append(g)
         known = order or [r.path for r in key.plan]
     position = {p: i for i, p in enumerate(known)}
     layers = sorted(owned, key=lambda p: (position.get(p, len(position)), p))
@@ -265,25 +262,6 @@ def _owned_by_layer(model: Any, key: Any, grads: Any, order: list[str]
     else:
         compute = {p: (key.plan[p] if p in key.plan else key.plan[""]).compute_dtype for p in layers}
     return position, owned, compute
-
-
-def _skip_decision(cfg: Any, ls: Any, owned: Mapping[str, list]) -> tuple[jax.Array, jax.Array, dict]:
-    """found_inf and skipped exactly as the optimizer decides them (the same ops: XLA shares them),
-    and whether each layer's unscaled gradients are non-finite."""
-    scaled_mode = cfg.mode in ("dynamic", "static")
-    checks_finite = cfg.skip_nonfinite or cfg.mode == "dynamic"
-    inv = jnp.ones((), jnp.float32) / ls.scale
-    bad_layer = {path: ~_all_finite([_unscale_leaf(g, inv) if scaled_mode else g for g in leaves_])
-                 for path, leaves_ in owned.items()}
-    finite = (~functools.reduce(jnp.logical_or, bad_layer.values(), jnp.zeros((), bool))
-              if checks_finite else jnp.ones((), bool))
-    _, halted = _advance(cfg, ls, ~finite)
-    skipped = jnp.zeros((), bool)
-    if cfg.skip_nonfinite:
-        skipped = skipped | ~finite
-    if cfg.on_min_scale == "error" and cfg.min_scale is not None:
-        skipped = skipped | halted
-    return finite, skipped, bad_layer
 
 
 def _sampled_statistics(every: int | None, finite: jax.Array, ls: Any, owned: Mapping[str, list],
@@ -309,7 +287,7 @@ def _attribution(finite: jax.Array, loss_bad: jax.Array, order: list[str], leave
                  bad_layer: Mapping[str, jax.Array], watch_inputs: bool) -> tuple[tuple[str, ...], tuple]:
     """The candidates (the leaf modules, then any other layer owning parameters) and the
     attribution: where, origin, and the per-candidate output and gradient flags."""
-    named = [_boundary_origin(e, order) for e in events]
+    named = [boundary_origin(e, order) for e in events]
     paths = tuple(sorted(set(leaves) | set(layers) | {p for p, _ in named if p},
                          key=lambda p: (position.get(p, len(position)), p)))
     index = {p: i for i, p in enumerate(paths)}
@@ -318,7 +296,7 @@ def _attribution(finite: jax.Array, loss_bad: jax.Array, order: list[str], leave
         [bad_layer.get(p, jnp.zeros((), bool)) for p in leaves],
         [(index[p], bad_layer[p]) for p in layers if p not in set(leaves)], inputs=watch_inputs)
     if events:  # the first non-finite forward value, at any module boundary, decides first
-        where, origin = _first_boundary(finite, where, origin, [edge_grads[p][k] > 0 for p, k in events],
+        where, origin = first_boundary(finite, where, origin, [edge_grads[p][k] > 0 for p, k in events],
                                         [(_WHERE.index(w), index.get(p, -1)) for p, w in named])
     return paths, (where, origin, out_flags, grad_flags)
 
@@ -404,7 +382,7 @@ class Monitor:
             raise ValueError(f"ampbridge.jax.Monitor: max_lag={max_lag!r}; accepted: an int >= 0 (steps a "
                              "record may wait for its values; 0: write each step at once)")
         nnx = sys.modules.get("flax.nnx")
-        key = _nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
+        key = nnx_key(model) if nnx is not None and isinstance(model, nnx.Module) else None
         if isinstance(model, Plan):
             plan_ = model
         elif isinstance(model, Applied):
@@ -423,8 +401,8 @@ class Monitor:
         self._pending: list[tuple[int | None, list, Numerics]] = []
         self._seen: tuple[int, int, int] = (0, -1, -1)  # steps written or passed, the first and last (the closing record)
         self._calls = 0  # steps run through wrap(): the host's own counter
-        self._window: _Window | None = None  # the unsampled steps since the last sampled one
-        self._closing: _Window | None = None  # the window before it: its counters on their way to the host
+        self._window: Window | None = None  # the unsampled steps since the last sampled one
+        self._closing: Window | None = None  # the window before it: its counters on their way to the host
         self._fp8: dict[int, Any] = {}  # id(queued stats) -> the float8 collection after that step
 
     def _open(self, order: Sequence[str] = ()) -> Any:
@@ -579,11 +557,7 @@ class Monitor:
             self._after_sampled(step, carry, held, n, out, state_now)
         else:
             rest = tuple(a for k, a in enumerate(args) if k not in held) if held else args[carry:]
-            if kwargs:
-                self._window.keywords[len(self._window.inputs)] = kwargs
-            self._window.inputs.append(rest)
-            self._window.states.append(_scale_state(state_now, self._window.scale_at)[0])
-            self._window.latest = state_now
+            self._window.add(rest, kwargs, state_now)
             self._count(n)
         return out
 
@@ -602,8 +576,7 @@ class Monitor:
             self._window = None
         if self._window is None and not sample:  # a resumed run between samples: start from here
             before = tuple(args[k] for k in held) if held else tuple(args[:carry])
-            self._window = _Window(step, carry, held, _snapshot(before, bool(held)), n,
-                                   *_scale_state(before), before)
+            self._window = Window.open(step, carry, held, before, n)
 
     def _after_sampled(self, step: Callable[..., Any], carry: int, held: list[int], n: int, out: Any,
                        state_now: tuple) -> None:
@@ -624,10 +597,9 @@ class Monitor:
             self._closing = self._window
             scale_at = self._window.scale_at  # where the loss-scale state was: no walk
         self.record(n, stats, fp8=_fp8_collection(state_now))
-        self._window = _Window(step, carry, held, _snapshot(state_now, bool(held)), n + 1,
-                               *_scale_state(state_now, scale_at), state_now)
+        self._window = Window.open(step, carry, held, state_now, n + 1, scale_at)
 
-    def _settle(self, window: "_Window") -> "_Window":
+    def _settle(self, window: "Window") -> "Window":
         """Log the skipped steps of ``window``, replayed with statistics (reads its counters); the
         window that starts after its last step."""
         if not window.inputs:
@@ -641,8 +613,7 @@ class Monitor:
                                  "of a wrapped step")
 
         refuse_donated(window.before)  # a donated carry deletes it first; the rest is looked at before a replay
-        after = _Window(window.step, window.carry, window.held, _snapshot(window.latest, bool(window.held)),
-                        window.first + len(window.inputs), window.states[-1], window.scale_at, window.latest)
+        after = window.following()
         def counters(states: list) -> list[tuple[int, int]]:  # one read; the fields taken on the host
             return [(int(s.skipped), int(s.steps)) for s in jax.device_get(states)]
 
@@ -658,10 +629,10 @@ class Monitor:
             previous = now
         while self._pending and (self._pending[0][0] is None or self._pending[0][0] < window.first):
             self._write(*self._pending.pop(0))  # the sampled steps before this window come first
-        state = _restore(window.start, window.held)
+        state = window.restored()
         for k in range(bad[-1] + 1):
             if k in bad:
-                stats = _numerics_in(window.call(_restore(_snapshot(state, window.held), window.held), k, True))
+                stats = _numerics_in(window.call(window.copied(state), k, True))
                 if stats is None or not bool(stats.found_inf) or int(stats.step) != int(counters[k - 1][1] if k
                                                                                         else start[1]):
                     raise RuntimeError(f"Monitor: replaying skipped step {window.first + k} did not reproduce it "

@@ -1,8 +1,8 @@
 """flax.nnx: one walk of the model (tree mode, graph mode for shared references), its Plan, and
 the applied copy whose modules' calls follow their rows (a cached subclass per class).
 
-Holds: _nnx_layers, _nnx_plan, _apply_nnx, _NnxModel, _NnxKey, _shared_key, _nnx_key, _nnx_path,
-_nnx_subclass, _own_variables, _is_callable_module, _nnx_copy, _tree_mode_first.
+Holds: nnx_layers, nnx_plan, apply_nnx, _NnxModel, _NnxKey, _shared_key, nnx_key, nnx_path,
+_nnx_subclass, _own_variables, _is_callable_module, nnx_copy, _tree_mode_first.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from .watch import (edge_of, finished, nonfinite_inputs, watch_tree, watch_edge,
                     watch_outputs, watched)
 
 
-def _nnx_path(parts: Sequence[Any]) -> str:
+def nnx_path(parts: Sequence[Any]) -> str:
+    """An NNX key path as a Plan path (``("blocks", 0, "linear")`` -> ``"blocks.0.linear"``)."""
     return join_path(*parts)
 
 
@@ -64,7 +65,7 @@ class _NnxModel(NamedTuple):
     batch_stats: list[Any]  # nnx.BatchStat variables
 
 
-def _nnx_layers(module: Any) -> _NnxModel:
+def nnx_layers(module: Any) -> _NnxModel:
     """One walk of an NNX model: its layers, their instances, and every parameter's owner."""
     nnx = nnx_module()
     modules: list[tuple[str, Any]] = []
@@ -72,9 +73,9 @@ def _nnx_layers(module: Any) -> _NnxModel:
     stats: list[Any] = []
     for keypath, value in _nnx_graph(module):
         if isinstance(value, nnx.Module):
-            modules.append((_nnx_path(keypath), value))
+            modules.append((nnx_path(keypath), value))
         elif isinstance(value, nnx.Param):
-            params[_nnx_path(keypath)] = (value, value.get_value())
+            params[nnx_path(keypath)] = (value, value.get_value())
         elif isinstance(value, nnx.BatchStat):
             stats.append(value)
     modules.sort(key=lambda pm: (pm[0].count(".") + (1 if pm[0] else 0), pm[0]))
@@ -97,7 +98,7 @@ def _nnx_author_dtypes(model: Any, modules: list[tuple[str, Any]]) -> dict[str, 
     """path -> the (dtype, param_dtype) the model's code fixed (:func:`author_dtypes`; the enclosing
     modules' ``dtype`` and configuration as the model holds them). A copy ampbridge already applied
     holds its Plan's dtypes instead of the author's: its Plan's ``set by the model`` rows stand for them."""
-    key = _nnx_key(model)
+    key = nnx_key(model)
     if key is not None:
         return {r.path: (r.compute_dtype, r.param_dtype) for r in key.plan if r.rule == BY_MODEL
                 and r.inherited_from is None}
@@ -120,9 +121,10 @@ def _nnx_author_dtypes(model: Any, modules: list[tuple[str, Any]]) -> dict[str, 
 
 
 @gc_paused()
-def _nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[str, ...] = (),
+def nnx_plan(module: Any, policy: Policy, *, warn: bool = True, notes: tuple[str, ...] = (),
               described: _NnxModel | None = None) -> Plan:
-    layers, instances = (described or _nnx_layers(module))[:2]
+    """The Plan of an NNX model (``described``: its :func:`nnx_layers`, where already walked)."""
+    layers, instances = (described or nnx_layers(module))[:2]
     plan_notes = list(notes) + [
         f"matmul_precision {policy.matmul_precision} -> jax.default_matmul_precision"
         f"({MATMUL_PRECISION[policy.matmul_precision]!r})",
@@ -339,12 +341,14 @@ def _shared_key(plan: Plan, owners: Mapping[str, str]) -> _NnxKey:
         return _NNX_KEYS.setdefault(key._value, key)
 
 
-def _nnx_key(model: Any) -> _NnxKey | None:
+def nnx_key(model: Any) -> _NnxKey | None:
+    """The key of an NNX model :func:`ampbridge.jax.apply` converted (its Plan, the variables'
+    owners), or None for any other object."""
     row = getattr(model, "_ampbridge_row", None)
     return row[-1] if isinstance(row, tuple) and row and isinstance(row[-1], _NnxKey) else None
 
 
-def _nnx_copy(module: Any) -> Any:
+def nnx_copy(module: Any) -> Any:
     """A copy with its own modules and Variables (arrays shared): Flax's ``nnx.clone``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -362,9 +366,9 @@ def _set_static(module: Any, name: str, value: Any) -> None:
 
 
 @gc_paused()
-def _apply_nnx(model: Any, policy: Policy, notes: tuple[str, ...], described: _NnxModel) -> Any:
-    """Convert ``model`` (a fresh :func:`_nnx_copy`, ``described`` by :func:`_nnx_layers`) in place."""
-    plan_ = _nnx_plan(model, policy, warn=True, notes=notes, described=described)
+def apply_nnx(model: Any, policy: Policy, notes: tuple[str, ...], described: _NnxModel) -> Any:
+    """Convert ``model`` (a fresh :func:`nnx_copy`, ``described`` by :func:`nnx_layers`) in place."""
+    plan_ = nnx_plan(model, policy, warn=True, notes=notes, described=described)
     _, instances, owners, params, stats = described
     for path, (var, value) in params.items():
         want = DTYPES[plan_[owners[path]].param_dtype]

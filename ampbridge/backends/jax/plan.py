@@ -15,8 +15,8 @@ from ...core.policy import Policy
 from .apply import Applied
 from .environment import FRAMEWORK, phase_policy, resolve_policy
 from .layers import tree_layers
-from .linen import _linen_plan
-from .nnx import _nnx_plan
+from .linen import linen_plan
+from .nnx import nnx_plan
 
 
 def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True, **kwargs: Any) -> Plan:
@@ -40,9 +40,9 @@ def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = Tr
     linen = sys.modules.get("flax.linen")
     nnx = sys.modules.get("flax.nnx")
     if linen is not None and isinstance(model, linen.Module):
-        return _linen_plan(model, resolved, example_inputs, warn=warn, notes=notes, **kwargs)
+        return linen_plan(model, resolved, example_inputs, warn=warn, notes=notes, **kwargs)
     if nnx is not None and isinstance(model, nnx.Module):
-        return _nnx_plan(model, resolved, warn=warn, notes=notes)
+        return nnx_plan(model, resolved, warn=warn, notes=notes)
     if isinstance(model, Mapping):
         return build_plan(tree_layers(model), resolved, framework=FRAMEWORK, warn=warn, notes=notes)
     raise TypeError(f"ampbridge.jax.plan: cannot plan a {type(model).__qualname__}; accepted: a "

@@ -2,7 +2,7 @@
 the training state snapshotted and restored (linen arrays; NNX objects changed in place), and the
 loss-scale state found in it.
 
-Holds: _Window, _snapshot, _restore, _scale_state.
+Holds: Window (what the monitor uses), _snapshot, _restore, _scale_state.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from .loss_scale import AmpState, PackedLossScale, _find_states
+from .loss_scale import AmpState, PackedLossScale, find_states
 
 
 def _scale_state(state: tuple, at: int | None = None) -> tuple[PackedLossScale, int]:
@@ -29,9 +29,9 @@ def _scale_state(state: tuple, at: int | None = None) -> tuple[PackedLossScale, 
         if isinstance(x, AmpState):
             found.append((k, [x.loss_scale]))
         elif nnx is None or not isinstance(x, nnx.Pytree) or isinstance(x, nnx.Optimizer):
-            found.append((k, _find_states(x)))
+            found.append((k, find_states(x)))
     if at is not None:
-        found = [(at, _find_states(state[at]))]
+        found = [(at, find_states(state[at]))]
     found = [(k, f) for k, f in found if f]
     if len(found) != 1 or len(found[0][1]) != 1:
         raise ValueError(f"Monitor.wrap: {sum(len(f) for _, f in found)} ampbridge loss-scale states in the "
@@ -59,8 +59,13 @@ def _restore(snapshot: Any, held: bool) -> Any:
 
 
 @dataclasses.dataclass
-class _Window:
-    """The unsampled steps since a sampled one: what replaying them needs, references only."""
+class Window:
+    """The unsampled steps since a sampled one: what replaying them needs, references only.
+
+    The monitor opens one after a sampled step (:meth:`open`), adds each unsampled step to it
+    (:meth:`add`), and, to replay, restores its start (:meth:`restored`) and copies states
+    (:meth:`copied`); :meth:`following` is the window after its last step.
+    """
 
     step: Callable[..., Any]
     carry: int
@@ -75,6 +80,35 @@ class _Window:
     inputs: list = dataclasses.field(default_factory=list)
     keywords: dict = dataclasses.field(default_factory=dict)
     states: list = dataclasses.field(default_factory=list)  # per step: its loss-scale state after it
+
+    @classmethod
+    def open(cls, step: Callable[..., Any], carry: int, held: list[int], state: tuple, first: int,
+             scale_at: int | None = None) -> "Window":
+        """The window starting from ``state`` (its first step numbered ``first``): the state
+        snapshotted, its loss-scale state found (at ``scale_at`` where known)."""
+        start = _snapshot(state, bool(held))
+        return cls(step, carry, held, start, first, *_scale_state(state, scale_at), state)
+
+    def add(self, rest: tuple, kwargs: dict, state: tuple) -> None:
+        """One more unsampled step: its other arguments and the training state after it."""
+        if kwargs:
+            self.keywords[len(self.inputs)] = kwargs
+        self.inputs.append(rest)
+        self.states.append(_scale_state(state, self.scale_at)[0])
+        self.latest = state
+
+    def following(self) -> "Window":
+        """The window that starts after this one's last step (none added to it yet)."""
+        return Window(self.step, self.carry, self.held, _snapshot(self.latest, bool(self.held)),
+                      self.first + len(self.inputs), self.states[-1], self.scale_at, self.latest)
+
+    def restored(self) -> Any:
+        """The training state this window started from, fresh (the snapshot stays as it was)."""
+        return _restore(self.start, self.held)
+
+    def copied(self, state: Any) -> Any:
+        """A copy of ``state`` that a replayed step may change (NNX objects) without changing ``state``."""
+        return _restore(_snapshot(state, self.held), self.held)
 
     def call(self, state: tuple, k: int, sample: bool) -> Any:
         rest, kwargs = self.inputs[k], self.keywords.get(k, {})

@@ -14,7 +14,8 @@ import jax
 from ...core.plan import Plan
 from ...core.policy import Policy
 from .apply import Applied, apply
-from .loss_scale import _loss_scale_configs, enter_phase, optimizer
+from .environment import phase_policy
+from .loss_scale import enter_phase, optimizer
 
 
 class Schedule:
@@ -135,9 +136,9 @@ class Schedule:
         path = [key]
         if self.phase in order and key in order and order.index(key) > order.index(self.phase):
             path = order[order.index(self.phase) + 1:order.index(key) + 1]
-        previous = _loss_scale_configs(self._policy_of(self.phase))
+        previous = phase_policy(self._policy_of(self.phase)).resolved_loss_scale
         for k in path:
-            cfg = _loss_scale_configs(self._policy_of(k))
+            cfg = phase_policy(self._policy_of(k)).resolved_loss_scale
             reset = k is not None and self.policy.phases[k].reset_loss_scale
             opt_state = enter_phase(opt_state, cfg, previous, reset=reset)
             previous = cfg

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core.matching import join_path
 from .layers import key_name
-from .loss_scale import _F32_INF_BITS, _f32_bits
+from .loss_scale import F32_INF_BITS, f32_bits
 
 _F32_ABS = 0x7FFFFFFF
 
@@ -43,7 +43,7 @@ def _leaf_statistics(g: jax.Array, limit_bits: jax.Array, max_bits: int) -> tupl
     """
     x = g.astype(jnp.float32) if g.dtype != jnp.float32 else g
     bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_ABS
-    finite = bits < _F32_INF_BITS
+    finite = bits < F32_INF_BITS
     i32 = jnp.int32
     # one variadic reduce: one pass over the gradient (five separate ones cost ~20% more here)
     operands = ((bits == 0).astype(i32), (~finite).astype(i32),
@@ -69,7 +69,7 @@ def layer_statistics(owned: Mapping[str, list], compute: Mapping[str, str], scal
         if fmt.name not in limits:
             e = int(round(-np.log2(fmt.smallest_subnormal)))  # a power of two in every format
             limits[fmt.name] = _underflow_limit_bits(scale, e)
-        parts = [_leaf_statistics(g, limits[fmt.name], _f32_bits(fmt.max)) for g in leaves]
+        parts = [_leaf_statistics(g, limits[fmt.name], f32_bits(fmt.max)) for g in leaves]
         layer_counts = [functools.reduce(jnp.add, [p[k] for p in parts]) for k in range(4)]
         counts.append(jnp.stack(layer_counts))
         top_bits = functools.reduce(jnp.maximum, [p[4] for p in parts])

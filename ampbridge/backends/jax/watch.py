@@ -2,24 +2,26 @@
 traces a model, and the identities whose backward passes report a module's non-finite output or
 gradient through the gradient of a dummy probe. Used by the linen interceptor and the NNX calls.
 
-Holds: _Watch, _WATCH, watched, edge_of, finished, watch_tree, watch_outputs, watch_output_gradients,
-watch_inputs, _watch_values, nonfinite_inputs, watch_edge, _boundary_origin, _first_boundary.
+Holds: Watch, _WATCH, watch_scope, watched, edge_of, finished, watch_tree, watch_outputs,
+watch_output_gradients, watch_inputs, _watch_values, nonfinite_inputs, watch_edge, boundary_origin,
+first_boundary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from .environment import is_float_array
-from .loss_scale import _all_finite
+from .loss_scale import all_finite
 
 
-class _Watch:
+class Watch:
     """What :func:`numerics` is tracing: module paths seen (discovery) or the probes to place."""
 
     def __init__(self, owner: Any, probes: Mapping[str, jax.Array] | None = None, *, inputs: bool = True,
@@ -34,7 +36,27 @@ class _Watch:
         self.events: dict[tuple[str, int], None] = {}  # (path, 0) calls start, (path, 1) finish: first call's order
 
 
-_WATCH: "contextvars.ContextVar[_Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
+_WATCH: "contextvars.ContextVar[Watch | None]" = contextvars.ContextVar("ampbridge_jax_watch", default=None)
+
+
+@contextlib.contextmanager
+def watch_scope(watch: Watch | None) -> Iterator[None]:
+    """``watch`` is the watch in force while the block runs (None: none), the previous one after it,
+    even on error: :func:`~ampbridge.jax.numerics` traces the model's calls inside it.
+
+    Example:
+        >>> w = Watch(owner="model")
+        >>> with watch_scope(w):
+        ...     watched("model", "dense"), watched("other", "dense")
+        (None, None)
+        >>> list(w.seen), watched("model", "head")
+        (['dense'], None)
+    """
+    token = _WATCH.set(watch)
+    try:
+        yield
+    finally:
+        _WATCH.reset(token)
 
 
 def watched(owner: Any, path: str) -> tuple[jax.Array, bool] | None:
@@ -66,7 +88,7 @@ def finished(owner: Any, path: str) -> None:
 
 
 def _any_nonfinite(xs: Sequence[jax.Array]) -> jax.Array:
-    return ~_all_finite(list(xs))  # the backend's one finite check (loss_scale._all_finite)
+    return ~all_finite(list(xs))  # the backend's one finite check (loss_scale.all_finite)
 
 
 def _flags(forward: Any, backward: Any) -> jax.Array:
@@ -148,7 +170,7 @@ def watch_tree(fn: Callable, tree: Any, probe: jax.Array) -> Any:
     return treedef.unflatten(leaves)
 
 
-def _boundary_origin(event: tuple[str, int], order: Sequence[str]) -> tuple[str, str]:
+def boundary_origin(event: tuple[str, int], order: Sequence[str]) -> tuple[str, str]:
     """(path, where) an event names: a module's output (its inputs were finite, checked when its
     call began), or a module's inputs, made by the code of the innermost module around it (the
     model's inputs, or its root's own code: ``("", "input")``)."""
@@ -163,7 +185,7 @@ def _boundary_origin(event: tuple[str, int], order: Sequence[str]) -> tuple[str,
     return "", "input"
 
 
-def _first_boundary(finite: jax.Array, where: jax.Array, origin: jax.Array, flags: list,
+def first_boundary(finite: jax.Array, where: jax.Array, origin: jax.Array, flags: list,
                     named: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
     """(where, origin) of the first flagged boundary event in forward order, else as given."""
     n = len(flags)

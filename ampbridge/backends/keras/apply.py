@@ -9,7 +9,7 @@ import functools
 import json
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -20,25 +20,15 @@ from ...core.plan import build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from . import fp8
-from .environment import _backend, _phase0, resolve_policy, set_matmul_precision
-from .layers import AUTHOR, AUTO, _code_caller, describe, kind_of, walk
-from .plan import FLOATS, same_policy, stream_meetings, dtype_policy
+from .environment import active_backend, resolve_policy, set_matmul_precision
+from .layers import AUTHOR, AUTO, code_caller, describe, kind_of, walk
+from .plan import FLOATS, dtype_policy, is_float, same_policy, stream_meetings
 from .policy_map import carry_pins
 
 
 # --- apply ------------------------------------------------------------------------------------
 
 _WRAPPER = "_ampbridge_call"  # the layer's ampbridge call wrapper, kept in its __dict__
-
-
-def _is_float(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    try:
-        return keras.backend.standardize_dtype(dtype) in FLOATS
-    except ValueError:
-        return False
 
 
 def _call_wrapper(layer: Any) -> Any:
@@ -89,6 +79,40 @@ def _drop_idle_wrapper(layer: Any) -> None:
         del layer.__dict__["call"]  # back to the class's own call
     else:
         object.__setattr__(layer, "call", inner)
+
+
+def set_probe(layer: Any, probe: Any) -> Any:
+    """Put the monitor's ``probe`` (its ``before(args, kwargs) -> (args, kwargs)`` and
+    ``after(out)`` hooks) on the layer's call wrapper, made if needed; None takes it off (and
+    the wrapper, once it has nothing left to do). Returns the wrapper (None once removed): its
+    ``probe`` attribute may be switched off and back without another call here.
+
+    Example:
+        >>> import keras
+        >>> layer = keras.layers.Dense(1)
+        >>> class Probe:
+        ...     def before(self, args, kwargs): return args, kwargs
+        ...     def after(self, out): pass
+        >>> probe = Probe()
+        >>> set_probe(layer, probe).probe is probe, probe_of(layer) is probe
+        (True, True)
+        >>> set_probe(layer, None), probe_of(layer), "call" in layer.__dict__
+        (None, None, False)
+    """
+    if probe is not None:
+        wrapper = _call_wrapper(layer)
+        wrapper.probe = probe
+        return wrapper
+    wrapper = layer.__dict__.get(_WRAPPER)
+    if wrapper is not None:
+        wrapper.probe = None
+        _drop_idle_wrapper(layer)
+    return layer.__dict__.get(_WRAPPER)
+
+
+def probe_of(layer: Any) -> Any:
+    """The probe on the layer's call wrapper (see :func:`set_probe`), or None."""
+    return getattr(layer.__dict__.get(_WRAPPER), "probe", None)
 
 
 def _set_output_cast(layer: Any, dtype: str | None) -> None:
@@ -151,7 +175,7 @@ def _set_promotion(by_path: dict[str, Any], callers: set[str]) -> None:
 
 
 def _cast_float(t: Any, dtype: str) -> Any:
-    if _is_float(t) and keras.backend.standardize_dtype(t.dtype) != dtype:
+    if is_float(t) and keras.backend.standardize_dtype(t.dtype) != dtype:
         return ops.cast(t, dtype)
     return t
 
@@ -184,11 +208,45 @@ def _refresh_torch_params(model: Any) -> None:
             layer._track_variables()
 
 
-def _refresh_compiled(model: Any) -> None:
+def refresh_compiled(model: Any) -> None:
+    """Rebuild the model's compiled train/test/predict functions (traced again on next use)."""
     # traced train/test/predict functions baked in the old dtypes: rebuild them (lazily traced)
     for kind in ("train", "test", "predict"):
         if getattr(model, f"{kind}_function", None) is not None:
             getattr(model, f"make_{kind}_function")(force=True)
+
+
+_OBSERVERS = "_ampbridge_apply_observers"  # in the model's __dict__: called after each apply
+
+
+def observe_apply(model: Any, observer: Callable[[], None]) -> None:
+    """Call ``observer()`` after each later :func:`apply` to ``model`` has realised the new Plan
+    (before the compiled functions are rebuilt): the numerics monitor re-reads the Plan there.
+    :func:`unobserve_apply` stops it; adding the same observer twice calls it once.
+
+    Example:
+        >>> import keras, ampbridge
+        >>> model, seen = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), []
+        >>> observe_apply(model, lambda: seen.append(model.layers[0].compute_dtype))
+        >>> _ = apply(model, ampbridge.preset("mixed_bfloat16"))
+        >>> seen
+        ['bfloat16']
+    """
+    observers = model.__dict__.get(_OBSERVERS)
+    if observers is None:
+        observers = []
+        object.__setattr__(model, _OBSERVERS, observers)
+    if observer not in observers:
+        observers.append(observer)
+
+
+def unobserve_apply(model: Any, observer: Callable[[], None]) -> None:
+    """Stop calling ``observer`` after :func:`apply` (see :func:`observe_apply`)."""
+    observers = model.__dict__.get(_OBSERVERS, [])
+    if observer in observers:
+        observers.remove(observer)
+    if not observers:
+        model.__dict__.pop(_OBSERVERS, None)
 
 
 #: every layer of an applied model -> (its path there, the model's class name, the model)
@@ -231,26 +289,25 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
     """
     _refuse_nested(model)
     policy, _ = resolve_policy(policy, warn=warn)
-    active = _phase0(policy)
+    active = policy.at(step=0, epoch=0)
     set_matmul_precision(active.matmul_precision)  # first: it is the setting that can be refused
     described, by_path = describe(model)
     requested = build_plan(described, active, framework="keras", warn=warn)
     optimizer_built = bool(getattr(getattr(model, "optimizer", None), "built", False))
     streams = stream_meetings(active, by_path)  # rows whose output meets their caller's stream of another dtype
-    callers = {_code_caller(row.path, by_path) for row in requested if streams(row) is not None}
-    _set_promotion(by_path, {c for c in callers if c is not None} if _backend() == "tensorflow" else set())
+    callers = {code_caller(row.path, by_path) for row in requested if streams(row) is not None}
+    _set_promotion(by_path, {c for c in callers if c is not None} if active_backend() == "tensorflow" else set())
     recast = False
     rules = dict(active.rules)
     for row in requested:
         recast |= _apply_row(by_path[row.path], row, model, policy, rules, optimizer_built)
     recast |= fp8.realise(model, active, requested, by_path)  # after the dtype policies: float8 keeps them
-    if recast and _backend() == "torch":
+    if recast and active_backend() == "torch":
         _refresh_torch_params(model)
     _register_applied(model, policy, by_path)
-    monitor = model.__dict__.get("_ampbridge_monitor")
-    if monitor is not None:
-        monitor._refresh()  # the rows' compute dtypes decide the underflow/overflow thresholds
-    _refresh_compiled(model)
+    for observer in list(model.__dict__.get(_OBSERVERS, ())):
+        observer()  # the monitor: the rows' compute dtypes decide its underflow/overflow thresholds
+    refresh_compiled(model)
     return model
 
 
@@ -302,7 +359,7 @@ def _register_applied(model: Any, policy: Policy, by_path: dict) -> None:
         pass
 
 
-_POLICY_ASSET = "ampbridge_policy.json"
+POLICY_ASSET = "ampbridge_policy.json"
 
 
 def _attach_policy_asset(model: Any) -> None:
@@ -324,7 +381,7 @@ def _attach_policy_asset(model: Any) -> None:
             fixed = {path: list(layer.__dict__[AUTHOR]) for path, layer in walk(owner)
                      if layer.__dict__.get(AUTHOR) is not None}
             auto = sorted({layer.name for _, layer in walk(owner) if layer.__dict__.get(AUTO) == layer.name})
-            with open(os.path.join(str(dir_path), _POLICY_ASSET), "w", encoding="utf-8") as f:
+            with open(os.path.join(str(dir_path), POLICY_ASSET), "w", encoding="utf-8") as f:
                 json.dump({"format": 1, "policy": policy.to_dict(), "set_by_the_model": fixed,
                            "automatic_names": auto}, f)
 
@@ -379,7 +436,7 @@ def scope(policy: Policy | str) -> Iterator[Policy]:
         >>> dense.dtype_policy.name, norm.dtype_policy.name, keras.config.dtype_policy().name
         ('mixed_float16', 'float32', 'float32')
     """
-    policy = _phase0(resolve_policy(policy)[0])
+    policy = resolve_policy(policy)[0].at(step=0, epoch=0)
     previous = keras.config.dtype_policy()
     layer_class = keras.layers.Layer
     original_init = layer_class.__dict__["__init__"]

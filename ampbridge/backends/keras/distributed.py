@@ -9,25 +9,27 @@ stepped with inf. Here the flags are agreed first (one scalar all-reduce per ste
 every replica's gradients. Keras all-reduces gradients in the variables' dtype, so a policy whose
 ``reduce_dtype`` differs from its ``param_dtype`` is refused with more than one replica.
 
-Holds: agreed_finite, check_reduce_dtype, tf_apply.
+Holds: agreed_finite, check_reduce_dtype, replicas, tf_apply.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import keras
+import numpy as np
 from keras import ops
 
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
-from .environment import _backend, _phase0
+from .environment import active_backend
 
 
 def agreed_finite(finite: Any) -> Any:
     """``finite`` and-ed over the replicas of the ``tf.distribute`` replica context in force (one
     scalar all-reduce); ``finite`` itself with one replica, outside a replica context, or on
     another backend."""
-    if _backend() != "tensorflow":
+    if active_backend() != "tensorflow":
         return finite
     import tensorflow as tf
 
@@ -38,12 +40,30 @@ def agreed_finite(finite: Any) -> Any:
     return tf.equal(bad, 0)
 
 
+def replicas() -> int:
+    """How many replicas the model trains on: the devices of the Keras distribution in force, else
+    the ``tf.distribute`` strategy's replicas (TensorFlow), else 1.
+
+    Example:
+        >>> replicas()
+        1
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        return max(1, int(np.prod(distribution.device_mesh.shape)))
+    if active_backend() == "tensorflow":
+        import tensorflow as tf
+
+        return int(tf.distribute.get_strategy().num_replicas_in_sync)
+    return 1
+
+
 def check_reduce_dtype(policy: Policy | None, replicas: int) -> None:
     """Raise :class:`ampbridge.errors.UnsupportedOptionError` when ``replicas > 1`` and the
     policy's ``reduce_dtype`` is not its ``param_dtype`` (Keras reduces in the variables' dtype)."""
     if policy is None or replicas <= 1:
         return
-    active = _phase0(policy)
+    active = policy.at(step=0, epoch=0)
     if active.reduce_dtype != active.param_dtype:
         raise UnsupportedOptionError(
             f"reduce_dtype={active.reduce_dtype} with param_dtype={active.param_dtype} on {replicas} replicas: "

@@ -13,7 +13,13 @@ from ...errors import AmpBridgeWarning, PolicyError, UnsupportedOptionError, war
 from ..common import resolve_policy as resolve_common
 
 
-def _backend() -> str:
+def active_backend() -> str:
+    """The active Keras backend's name, what every room branches on (``"tensorflow"``, ``"jax"``, ``"torch"``).
+
+    Example:
+        >>> active_backend() in ("tensorflow", "jax", "torch", "numpy", "openvino")
+        True
+    """
     return keras.backend.backend()
 
 
@@ -34,7 +40,7 @@ def device() -> Any:
     from ...diagnostics import hardware as _hardware
     from ...diagnostics.hardware import Device
 
-    backend = _backend()
+    backend = active_backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -92,7 +98,7 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
             found.append(device())
         return found[0]
 
-    policy, notes = resolve_common(policy, f"keras ({_backend()})", where, warn=warn)
+    policy, notes = resolve_common(policy, f"keras ({active_backend()})", where, warn=warn)
     if _uses_bfloat16(policy) and where().platform == "cpu" and bfloat16_rounding() == "toward zero":
         notes += (_TRUNCATION_NOTE,)
         if warn:  # once per process, like the bisect switch
@@ -122,15 +128,11 @@ def bfloat16_rounding() -> str | None:
         >>> bfloat16_rounding() in ("nearest", "toward zero", None)
         True
     """
-    if _backend() != "tensorflow":
+    if active_backend() != "tensorflow":
         return None
     from ...diagnostics.hardware import tensorflow_bfloat16_rounding
 
     return tensorflow_bfloat16_rounding()
-
-
-def _phase0(policy: Policy) -> Policy:
-    return policy.at(step=0, epoch=0)
 
 
 # --- matmul precision -------------------------------------------------------------------------
@@ -145,7 +147,7 @@ def set_matmul_precision(precision: str) -> None:
     accepted = ("highest", "high", "medium")
     if precision not in accepted:
         raise PolicyError(f"matmul_precision: received {precision!r}; accepted: {', '.join(accepted)}")
-    backend = _backend()
+    backend = active_backend()
     if backend == "tensorflow":
         if precision == "medium":
             raise UnsupportedOptionError(

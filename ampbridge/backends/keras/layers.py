@@ -3,7 +3,7 @@
 
 Names: ``walk`` (``(path, keras layer)`` pairs), ``layers`` (core ``Layer`` descriptors), ``kind_of``,
 ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
-``_children``, ``_own_params``, ``describe``. Kinds: ``ampbridge_kind``, ``register_kind``, Keras's classes, then
+``children``, ``code_caller``, ``_own_params``, ``describe``. Kinds: ``ampbridge_kind``, ``register_kind``, Keras's classes, then
 the core's inference from the class's and its bases' names (:mod:`ampbridge.core.kinds`).
 """
 
@@ -106,7 +106,15 @@ def _auto_prefix(layer: Any) -> str | None:
     return prefix if re.fullmatch(re.escape(prefix) + r"(_\d+)?", layer.name) else None
 
 
-def _children(layer: Any) -> list[tuple[str, Any]]:
+def children(layer: Any) -> list[tuple[str, Any]]:
+    """The layer's direct sublayers as (name in its path, layer), as :func:`walk` descends (no
+    ``InputLayer``); empty for a leaf layer.
+
+    Example:
+        >>> import keras
+        >>> [name for name, _ in children(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")]))]
+        ['d']
+    """
     out, auto = [], {}
     for child in layer._flatten_layers(include_self=False, recursive=False):
         if isinstance(child, keras.layers.InputLayer):
@@ -144,7 +152,7 @@ def walk(model: Any) -> Iterator[tuple[str, Any]]:
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"expected a Keras layer or model; received {type(model).__qualname__}")
-    yield from walk_tree(model, _children)
+    yield from walk_tree(model, children)
 
 
 def _own_params(layer: Any) -> int:
@@ -256,7 +264,7 @@ def describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
     return described, by_path
 
 
-def _code_caller(path: str, by_path: dict[str, Any]) -> str | None:
+def code_caller(path: str, by_path: dict[str, Any]) -> str | None:
     """The path of the layer whose own code calls the layer at ``path``, or None where a graph
     calls it (a layer of a Functional model or a Sequential, or the model itself).
 
@@ -265,7 +273,7 @@ def _code_caller(path: str, by_path: dict[str, Any]) -> str | None:
         >>> x = keras.Input((3, 4))
         >>> m = keras.Model(x, keras.layers.MultiHeadAttention(2, 2, name="mha")(x, x))
         >>> by_path = dict(walk(m))
-        >>> _code_caller("mha", by_path), _code_caller("mha.query", by_path)
+        >>> code_caller("mha", by_path), code_caller("mha.query", by_path)
         (None, 'mha')
     """
     if not path:

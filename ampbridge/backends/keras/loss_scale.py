@@ -21,9 +21,9 @@ from ...core.loss_scale import INT32_MAX, LossScaleState, f32, initial_state, re
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
 from ..private_hooks import tested_range
-from .distributed import agreed_finite, tf_apply
-from .environment import _backend, _phase0, resolve_policy
-from .numerics import _HEAD_SIZE, _ROW_SIZE, grad_stats, host_value, _MonitorSpec, split_count, all_finite, finite_flags
+from .distributed import agreed_finite, replicas, tf_apply
+from .environment import active_backend, resolve_policy
+from .numerics import LAYOUT, MonitorSpec, all_finite, finite_flags, grad_stats, host_value, split_count
 
 # --- the loss-scaling optimizer ---------------------------------------------------------------
 
@@ -36,7 +36,7 @@ def _config_from(value: LossScaleConfig | dict[str, Any]) -> LossScaleConfig:
 
 def _concrete(x: Any) -> bool:
     """Whether ``x`` has a value now (eager), not inside a traced tf.function or jax.jit."""
-    backend = _backend()
+    backend = active_backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -97,7 +97,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._jitted_apply = None
         self._step_verified = False  # the first-step guard (_verified_apply) has passed
         self._handed: int | None = None  # gradients handed to the inner optimizer (first step only)
-        self._monitor: _MonitorSpec | None = None  # set by ampbridge.keras.Monitor
+        self._monitor: MonitorSpec | None = None  # set by ampbridge.keras.Monitor
         self._finite_out: list[Any] | None = None  # set while MonitorCallback traces: the step's finite flag
         self._monitor_variables: list[Any] = []
         self._monitor_cache: tuple[tuple[int, ...], Any] | None = None
@@ -357,7 +357,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         if not self._step_verified:
             return self._verified_apply(grads, trainable_variables)
-        if _backend() != "jax":
+        if active_backend() != "jax":
             return super().apply(grads, trainable_variables)
         # JAX: ops.cond is lax.cond, which cannot hold stateful assignments: go functional
         if not self.built:
@@ -466,9 +466,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         @tracking.no_automatic_dependency_tracking
         def make() -> None:
-            self.monitor_head = self.add_variable(shape=(_HEAD_SIZE,), dtype="float32", aggregation="none",
+            self.monitor_head = self.add_variable(shape=(LAYOUT.head,), dtype="float32", aggregation="none",
                                                   initializer="zeros", name="ampbridge_monitor_head")
-            self.monitor_stats = self.add_variable(shape=(max(1, len(spec.stats)), _ROW_SIZE), dtype="float32",
+            self.monitor_stats = self.add_variable(shape=(max(1, len(spec.stats)), LAYOUT.row), dtype="float32",
                                                    aggregation="none", initializer="zeros",
                                                    name="ampbridge_monitor_stats")
             self._monitor_variables = [self.monitor_head, self.monitor_stats]
@@ -478,7 +478,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # the monitor's interface (ampbridge.keras.Monitor attaches, pauses and reads through these)
 
     @property
-    def monitor_spec(self) -> "_MonitorSpec | None":
+    def monitor_spec(self) -> "MonitorSpec | None":
         """What the attached monitor asks each step to record (None: no monitor, or paused)."""
         return self._monitor
 
@@ -496,7 +496,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         finally:
             self._monitor = spec
 
-    def attach_monitor(self, spec: "_MonitorSpec | None") -> None:
+    def attach_monitor(self, spec: "MonitorSpec | None") -> None:
         """Start (a spec) or stop (None) computing the monitor's record in every step."""
         if self._monitor_variables and (spec is None or self._monitor is None
                                         or len(spec.stats) != len(self._monitor.stats)):
@@ -548,11 +548,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def save_assets(self, dir_path: Any) -> None:
         """Writes ``ampbridge_loss_scale.json``: the settings, the policy and the state Keras's own
         LossScaleOptimizer has no variable for (read back by :func:`ampbridge.keras.load_model`)."""
-        with open(os.path.join(str(dir_path), _ASSET), "w", encoding="utf-8") as f:
+        with open(os.path.join(str(dir_path), LOSS_SCALE_ASSET), "w", encoding="utf-8") as f:
             json.dump(self._asset(), f)
 
     def load_assets(self, dir_path: Any) -> None:
-        path = os.path.join(str(dir_path), _ASSET)
+        path = os.path.join(str(dir_path), LOSS_SCALE_ASSET)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 self._restore_asset(json.load(f))
@@ -609,7 +609,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         skipped = self._skips(found_inf, own[6])
         candidates = [ops.where(flags[pos], -1.0, float(leaf)) for pos, leaf in leaves if flags[pos] is not None]
         param_first = ops.max(ops.stack(candidates)) if candidates else ops.convert_to_tensor(-1.0)
-        if _backend() == "torch":  # eager: decide on the host, no sync for ops.cond's predicate
+        if active_backend() == "torch":  # eager: decide on the host, no sync for ops.cond's predicate
             sampled: Any = spec.host_step % spec.every == 0
             spec.host_step += 1
         else:
@@ -669,13 +669,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 def _framework_versions() -> str:
     """``keras 3.15.1 (tensorflow 2.21.0)``: the versions an error about them should name."""
-    backend = _backend()
+    backend = active_backend()
     module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(backend)
     version = getattr(__import__(module), "__version__", "?") if module else "?"
     return f"keras {keras.__version__} ({backend} {version})"
 
 
-_ASSET = "ampbridge_loss_scale.json"
+LOSS_SCALE_ASSET = "ampbridge_loss_scale.json"
 
 
 class _ExtraState(keras.layers.Layer):
@@ -746,36 +746,25 @@ def optimizer(inner: Any, policy: Policy | str) -> LossScaleOptimizer:
         ('dynamic', 65536.0)
     """
     policy, _ = resolve_policy(policy)
-    active = _phase0(policy)
+    active = policy.at(step=0, epoch=0)
     inner = keras.optimizers.get(inner)
     if isinstance(inner, keras.optimizers.LossScaleOptimizer):
         raise TypeError(f"optimizer() wraps a plain Keras optimizer; received a {type(inner).__name__}, "
                         "which already scales the loss (pass its inner_optimizer)")
-    if active.reduce_dtype != active.param_dtype and _replicas() > 1:
+    if active.reduce_dtype != active.param_dtype and replicas() > 1:
         raise UnsupportedOptionError(
             f"reduce_dtype={active.reduce_dtype} with param_dtype={active.param_dtype}: Keras all-reduces "
             "gradients in the variables' dtype; set reduce_dtype to the param_dtype")
     return LossScaleOptimizer(inner, loss_scale=active.resolved_loss_scale, policy=policy)
 
 
-def _replicas() -> int:
-    distribution = keras.distribution.distribution()
-    if distribution is not None:
-        return max(1, int(np.prod(distribution.device_mesh.shape)))
-    if _backend() == "tensorflow":
-        import tensorflow as tf
-
-        return int(tf.distribute.get_strategy().num_replicas_in_sync)
-    return 1
-
-
 # --- callbacks --------------------------------------------------------------------------------
 
-def _model_of(callback: Any) -> Any:
+def callback_model(callback: Any) -> Any:
     """The callback's model, without the JAX state sync that ``Callback.model`` performs on every
     access (it puts the traced state back into the variables, and the next step re-gathers it:
     callbacks that run every step read ``model._jax_state`` instead)."""
-    return callback._model if _backend() == "jax" else callback.model
+    return callback._model if active_backend() == "jax" else callback.model
 
 
 class LossScaleCallback(keras.callbacks.Callback):
@@ -787,7 +776,7 @@ class LossScaleCallback(keras.callbacks.Callback):
     """
 
     def _optimizer(self) -> LossScaleOptimizer | None:
-        opt = getattr(_model_of(self), "optimizer", None)
+        opt = getattr(callback_model(self), "optimizer", None)
         return opt if isinstance(opt, LossScaleOptimizer) else None
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -799,7 +788,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         opt = self._optimizer()
         if opt is None or not opt._needs_host_check() or not opt.built:
             return
-        jax_state = getattr(_model_of(self), "_jax_state", None)
+        jax_state = getattr(callback_model(self), "_jax_state", None)
         if jax_state:
             index = next(i for i, v in enumerate(opt.variables) if v is opt.min_scale_overflows)
             opt.check_min_scale(jax_state["optimizer_variables"][index])

@@ -14,14 +14,15 @@ from keras import ops
 
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
-from .apply import _WRAPPER, _call_wrapper, _drop_idle_wrapper, _is_float, _refresh_compiled
-from .environment import _backend, _phase0
+from .apply import observe_apply, probe_of, refresh_compiled, set_probe, unobserve_apply
+from .environment import active_backend
 from .fp8_stats import float8_layers, history_variables, scale_variables, tensor_stats
-from .layers import _children, _code_caller, walk
-from .loss_scale import LossScaleOptimizer, _model_of, _replicas
-from .numerics import _HEAD_SIZE, _ROW_SIZE, _SPLIT, _fetch, _MonitorSpec, all_finite
-from .plan import plan
-from .sampling import SamplingHooks, _FitDispatch
+from .layers import children, code_caller, walk
+from .distributed import replicas
+from .loss_scale import LossScaleOptimizer, callback_model
+from .numerics import LAYOUT, MonitorSpec, all_finite, fetch
+from .plan import is_float, plan
+from .sampling import FitDispatch, SamplingHooks
 
 # --- the numerics monitor -----------------------------------------------------------------------
 #
@@ -69,7 +70,7 @@ def _live(tensors: list[Any]) -> bool:
 def _mark_first(slot: _Slot, bad: Any, index: int) -> None:
     """``slot = index`` if ``bad`` and nothing is marked yet (on the device, no sync)."""
     current = slot.state.value
-    if _backend() == "torch":  # eager: one in-place op instead of a chain of Keras dispatches
+    if active_backend() == "torch":  # eager: one in-place op instead of a chain of Keras dispatches
         import torch
 
         with torch.no_grad():
@@ -85,7 +86,7 @@ def _any_nonfinite(tensors: list[Any]) -> Any:
 def _input_probe(t: Any, slot: _Slot, index: int) -> Any:
     """Identity on ``t`` whose backward marks ``index`` in ``slot`` when the gradient reaching
     ``t`` (this layer's input gradient) is non-finite and nothing was marked before it."""
-    backend = _backend()
+    backend = active_backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -114,7 +115,7 @@ def _event(index: int, output: bool) -> int:
 
 
 def _live_floats(tree: Any) -> list[Any]:
-    floats = [t for t in keras.tree.flatten(tree) if _is_float(t)]
+    floats = [t for t in keras.tree.flatten(tree) if is_float(t)]
     return floats if floats and _live(floats) else []
 
 
@@ -143,12 +144,12 @@ class _LeafProbe(_BoundaryProbe):
 
     def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, kwargs = super().before(args, kwargs)
-        if _backend() == "jax":  # JAX's backward cannot write state: parameter gradients decide there
+        if active_backend() == "jax":  # JAX's backward cannot write state: parameter gradients decide there
             return args, kwargs
         if not _live_floats((args, kwargs)):
             return args, kwargs
         slot = self.monitor._slots["backward"]
-        return keras.tree.map_structure(lambda t: _input_probe(t, slot, self.index) if _is_float(t) else t,
+        return keras.tree.map_structure(lambda t: _input_probe(t, slot, self.index) if is_float(t) else t,
                                         (args, kwargs))
 
 
@@ -230,11 +231,11 @@ class Monitor:
                 "so non-finite steps could not all be logged; compile with steps_per_execution=1")
         # fit runs a model built in a tf.distribute scope under that strategy even outside the scope
         # (MonitorCallback starts there): its strategy counts too
-        strategy = getattr(model, "distribute_strategy", None) if _backend() == "tensorflow" else None
-        replicas = max(_replicas(), int(getattr(strategy, "num_replicas_in_sync", 1)))
-        if replicas > 1:
+        strategy = getattr(model, "distribute_strategy", None) if active_backend() == "tensorflow" else None
+        n_replicas = max(replicas(), int(getattr(strategy, "num_replicas_in_sync", 1)))
+        if n_replicas > 1:
             raise UnsupportedOptionError(
-                f"Monitor: a distributed (multi-replica) run is not supported ({replicas} replicas: each computes "
+                f"Monitor: a distributed (multi-replica) run is not supported ({n_replicas} replicas: each computes "
                 "the statistics and flags of its own shard, so the log would describe one replica)")
         self.path, self.model, self.optimizer = path, model, optimizer
         self.every, self.attribution = every, bool(attribution)
@@ -261,7 +262,7 @@ class Monitor:
             from ...core.io import preset
 
             policy = preset("float32")
-        return _phase0(policy)
+        return policy.at(step=0, epoch=0)
 
     def attach(self) -> None:
         """Start monitoring (the constructor does; again after :meth:`detach`). Re-traces the
@@ -284,7 +285,7 @@ class Monitor:
                 return loss
 
             object.__setattr__(self.model, "compute_loss", compute_loss)
-        object.__setattr__(self.model, "_ampbridge_monitor", self)
+        observe_apply(self.model, self._refresh)  # a new policy: new rows, new thresholds
         self._attached = True
         host_step = self.optimizer.state.steps if self.optimizer.built else 0
         self._refresh(host_step=host_step)
@@ -293,7 +294,7 @@ class Monitor:
             from ...diagnostics.runlog import RunLogWriter
 
             policy = self._policy()
-            self._writer = RunLogWriter(self.path, framework=f"keras ({_backend()})",
+            self._writer = RunLogWriter(self.path, framework=f"keras ({active_backend()})",
                                         compute_dtype=policy.compute_dtype, layers=self.layers,
                                         policy=policy_to_dict(policy),
                                         min_scale=self.optimizer.loss_scale_config.min_scale,
@@ -313,7 +314,7 @@ class Monitor:
         self._probed = []
         for row in rows:
             layer = by_path[row.path]
-            leaf = row.path != "" and not _children(layer)
+            leaf = row.path != "" and not children(layer)
             own = [v for v in layer._trainable_variables if v.trainable]
             if own:
                 stats.append((row.path, row.compute_dtype, tuple(id(v) for v in own)))
@@ -324,22 +325,17 @@ class Monitor:
                 probe = (_LeafProbe if leaf else _BoundaryProbe)(self, index[row.path])
             if row.path == "":
                 probe = _RootProbe(self)
+            wrapper = set_probe(layer, probe)
             if probe is not None:
-                _call_wrapper(layer).probe = probe
-                self._probed.append((_call_wrapper(layer), probe))
-            else:
-                wrapper = layer.__dict__.get(_WRAPPER)
-                if wrapper is not None:
-                    wrapper.probe = None
-                    _drop_idle_wrapper(layer)
+                self._probed.append((wrapper, probe))
         self._positions = None
         self._fp8_layers, self._fp8_at = float8_layers(self.layers, by_path), None
         if self._fp8_layers and host_step is not None:
             self.fp8_snapshot(host_step)
         previous = self.optimizer.monitor_spec
         steps = host_step if host_step is not None else (previous.host_step if previous is not None else 0)
-        self.optimizer.attach_monitor(_MonitorSpec(self.every, stats, leaf_of, steps))
-        _refresh_compiled(self.model)
+        self.optimizer.attach_monitor(MonitorSpec(self.every, stats, leaf_of, steps))
+        refresh_compiled(self.model)
 
     def sampling_hooks(self) -> SamplingHooks:
         """The monitor's side of ``fit``'s sampling dispatch (sampling.py): its unsampled mode, its
@@ -384,17 +380,15 @@ class Monitor:
         if getattr(self.model, "_jax_state", None) and not getattr(self.model, "_jax_state_synced", True):
             self.model.jax_state_sync()  # the traced state holds the slots: put it back first
         for _, layer in walk(self.model):
-            wrapper = layer.__dict__.get(_WRAPPER)
-            if wrapper is not None and isinstance(wrapper.probe, (_BoundaryProbe, _RootProbe)):
-                wrapper.probe = None
-                _drop_idle_wrapper(layer)
+            if isinstance(probe_of(layer), (_BoundaryProbe, _RootProbe)):
+                set_probe(layer, None)
         for slot in self._slots.values():
             self.model._seed_generators.remove(slot)
         if "compute_loss" in self.model.__dict__:
             del self.model.__dict__["compute_loss"]
-        self.model.__dict__.pop("_ampbridge_monitor", None)
+        unobserve_apply(self.model, self._refresh)
         self.optimizer.attach_monitor(None)
-        _refresh_compiled(self.model)
+        refresh_compiled(self.model)
         self._attached = False
 
     def close(self) -> None:
@@ -455,7 +449,7 @@ class Monitor:
         it): ``fit`` calls this before each sampled step, where the last read did not already."""
         if not self._fp8_layers or (self._fp8_used is not None and self._fp8_used[0] == step):
             return
-        self._fp8_used = (step, _fetch(self._fp8_variables(trainable_variables, newest=False)[1]))
+        self._fp8_used = (step, fetch(self._fp8_variables(trainable_variables, newest=False)[1]))
 
     def _fp8_parts(self, expected: int | None, want_stats: bool, trainable_variables: Any) -> list[Any]:
         """What a record's one transfer carries for float8: on a sampled step the amaxes and the
@@ -499,7 +493,7 @@ class Monitor:
         path = self.layers[index]
         if output:
             return {"path": path, "where": "output"}
-        caller = _code_caller(path, self._by_path)
+        caller = code_caller(path, self._by_path)
         return {"path": caller if caller is not None else path, "where": "output"}
 
     def record(self, loss: Any = None, *, non_trainable_variables: Any = None,
@@ -528,17 +522,17 @@ class Monitor:
         want_stats = expected is None or expected % self.every == 0
         parts = [head] + slots + ([loss] if loss is not None else []) + ([stats] if want_stats else [])
         fp8_parts = self._fp8_parts(expected, want_stats, trainable_variables)
-        values, fp8_v = self._fp8_split(_fetch(parts + fp8_parts), len(fp8_parts), want_stats)
-        head_v, rest = values[:_HEAD_SIZE], values[_HEAD_SIZE:]
+        values, fp8_v = self._fp8_split(fetch(parts + fp8_parts), len(fp8_parts), want_stats)
+        head_v, rest = values[:LAYOUT.head], values[LAYOUT.head:]
         forward, backward, slot_loss, loss_seen = rest[:4]
-        step = int(head_v[0]) * _SPLIT + int(head_v[1])
+        step = LAYOUT.join(head_v[0], head_v[1])
         scale, found_inf, skipped = float(head_v[2]), bool(head_v[3]), bool(head_v[4])
         param_first, sampled = int(head_v[5]), bool(head_v[6])
         if expected is not None and step == expected - 1:
             return None  # no optimizer step since the last record: already logged (or not to be)
         self._count(step)
         if sampled and not want_stats:  # record() was not called after every step: read them now
-            stats_v = _fetch([stats])
+            stats_v = fetch([stats])
         else:
             stats_v = rest[5 if loss is not None else 4:]
         if loss is not None:
@@ -566,9 +560,9 @@ class Monitor:
     def _layer_stats(self, stats_v: Any, scale: float) -> dict[str, dict[str, float]]:
         """The per-layer statistics of a sampled step, from its rows as read (counts split in two)."""
         stats_by_layer = {}
-        rows = stats_v.reshape(-1, _ROW_SIZE)
+        rows = stats_v.reshape(-1, LAYOUT.row)
         for (path, _, _), row in zip(self.optimizer.monitor_spec.stats, rows):
-            counts = [int(row[i]) * _SPLIT + int(row[i + 1]) for i in range(2, _ROW_SIZE, 2)]
+            counts = [LAYOUT.join(row[i], row[i + 1]) for i in range(2, LAYOUT.row, 2)]
             zero, nonfinite, under, over, size = counts
             if size == 0:
                 continue  # no gradients reached this layer's variables
@@ -625,7 +619,7 @@ class MonitorCallback(keras.callbacks.Callback):
                              f"received every={every!r}")
         self.path, self.every, self.attribution = path, every, attribution
         self.monitor: Monitor | None = None
-        self._dispatch: _FitDispatch | None = None
+        self._dispatch: FitDispatch | None = None
 
     @property
     def async_safe(self) -> bool:
@@ -633,7 +627,7 @@ class MonitorCallback(keras.callbacks.Callback):
         ahead instead of waiting for each step's logs): on JAX, where the dispatch reads nothing
         between samples. On TensorFlow and torch the dispatch reads each step anyway, and their
         monitored ``fit`` measured 1-3% faster with the hooks on the calling thread."""
-        return _backend() == "jax"
+        return active_backend() == "jax"
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         pass  # the dispatch reads the steps; a batch hook, so that async_safe decides the thread
@@ -643,12 +637,12 @@ class MonitorCallback(keras.callbacks.Callback):
             self.monitor = Monitor(self.path, self.model, every=self.every, attribution=self.attribution)
         else:
             self.monitor.attach()
-        model = _model_of(self)
+        model = callback_model(self)
         if self._dispatch is not None and model.train_function is self._dispatch:
             self._dispatch.flush()  # a fit that raised left steps unread
             self._dispatch.sync()
         else:
-            self._dispatch = _FitDispatch(self.monitor)
+            self._dispatch = FitDispatch(self.monitor)
 
     def _flush(self) -> None:
         if self._dispatch is not None:

@@ -1,24 +1,46 @@
 """The numerics kernels the monitor's record is made of, in ``keras.ops`` inside the train step
 (the statistics of a layer's scaled gradients, counts as exact float32 pairs) and read on the host.
 
-Names: ``all_finite`` and ``finite_flags`` (the backend's one finite check), ``grad_stats``, ``_all``,
-``split_count``, ``host_value``, ``_fetch``, ``_MonitorSpec``, and the record's layout (``_HEAD_SIZE``, ``_ROW_SIZE``, ``_SPLIT``).
+The optimizer (loss_scale.py) and the monitor share three things from here: the record's
+:data:`LAYOUT`, the :class:`MonitorSpec` the monitor attaches to the optimizer, and :func:`fetch`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
 
-from .environment import _backend
+from .environment import active_backend
 
-_HEAD_SIZE = 7  # step (hi, lo), scale used, found_inf, skipped, last leaf with non-finite own grads, sampled
-_ROW_SIZE = 12  # max|g|, rms(g) (scaled, finite values), then (hi, lo) counts: zero, nonfinite, underflow,
-#                 overflow, elements
-_SPLIT = 4096  # counts travel as float32 pairs (hi * 4096 + lo): exact up to 2**36
+@dataclasses.dataclass(frozen=True)
+class RecordLayout:
+    """The layout of the monitor's record, shared by the optimizer that writes it in the train step
+    and the monitor that reads it on the host.
+
+    ``head``: its head's length (step as (hi, lo), scale used, found_inf, skipped, last leaf with
+    non-finite own grads, sampled); ``row``: a layer's row's length (max|g|, rms(g) of the scaled
+    finite values, then (hi, lo) counts: zero, nonfinite, underflow, overflow, elements); ``split``:
+    counts travel as float32 pairs ``hi * split + lo``, exact up to 2**36.
+
+    Example:
+        >>> LAYOUT.head, LAYOUT.row, LAYOUT.join(1.0, 5.0)
+        (7, 12, 4101)
+    """
+
+    head: int = 7
+    row: int = 12
+    split: int = 4096
+
+    def join(self, hi: Any, lo: Any) -> int:
+        """A count from its (hi, lo) pair as read on the host."""
+        return int(hi) * self.split + int(lo)
+
+
+LAYOUT = RecordLayout()
 
 
 def finite_flags(tensors: list[Any]) -> list[Any]:
@@ -36,7 +58,7 @@ def all_finite(tensors: list[Any], flags: list[Any] | None = None) -> Any:
     """The backend's one "all finite" check (a boolean scalar tensor): the loss-scaling optimizer's
     skip decision, the monitor's non-finite marks and Keras's ``check_finite`` hook all call it.
     ``flags``: :func:`finite_flags` of ``tensors``, when the caller already has them."""
-    if flags is None and _backend() == "torch":  # eager: one in-place chain instead of Keras dispatches
+    if flags is None and active_backend() == "torch":  # eager: one in-place chain instead of Keras dispatches
         import torch
 
         with torch.no_grad():
@@ -51,12 +73,12 @@ def all_finite(tensors: list[Any], flags: list[Any] | None = None) -> Any:
 
 def split_count(count: Any) -> tuple[Any, Any]:
     count = ops.cast(count, "int32")
-    hi = ops.floor_divide(count, _SPLIT)
-    return ops.cast(hi, "float32"), ops.cast(ops.subtract(count, ops.multiply(hi, _SPLIT)), "float32")
+    hi = ops.floor_divide(count, LAYOUT.split)
+    return ops.cast(hi, "float32"), ops.cast(ops.subtract(count, ops.multiply(hi, LAYOUT.split)), "float32")
 
 
 def _dense(g: Any) -> Any:
-    if _backend() == "tensorflow":
+    if active_backend() == "tensorflow":
         import tensorflow as tf
 
         if isinstance(g, tf.IndexedSlices):  # embedding gradients
@@ -78,7 +100,7 @@ def grad_stats(grads: list[Any], scale: Any, compute_dtype: str, sizes: list[int
     from ...core.dtypes import formats
 
     if not grads:
-        return ops.zeros((_ROW_SIZE,), "float32")
+        return ops.zeros((LAYOUT.row,), "float32")
     fmt = formats()[compute_dtype]
     k = max(0, -60 - int(math.log2(fmt.smallest_subnormal)))
     lift, threshold = np.float32(2.0 ** k), ops.multiply(np.float32(fmt.smallest_subnormal * 2.0 ** k), scale)
@@ -120,18 +142,18 @@ def host_value(x: Any) -> np.ndarray:
     """A tensor or variable's value on the host (a sync)."""
     if isinstance(x, keras.Variable):
         x = x.value
-    if _backend() == "tensorflow":  # np.array(tf.Variable) warns under numpy 2
+    if active_backend() == "tensorflow":  # np.array(tf.Variable) warns under numpy 2
         import tensorflow as tf
 
         return np.asarray(tf.convert_to_tensor(x).numpy())
-    if _backend() == "torch":  # as is np.array(torch.Tensor)
+    if active_backend() == "torch":  # as is np.array(torch.Tensor)
         return x.detach().cpu().numpy()
     return np.asarray(ops.convert_to_numpy(x))
 
 
-def _fetch(parts: list[Any]) -> np.ndarray:
+def fetch(parts: list[Any]) -> np.ndarray:
     """Tensors (and variables' values) to one flat float64 host array, in one transfer."""
-    backend = _backend()
+    backend = active_backend()
     if backend == "jax":
         import jax
 
@@ -147,7 +169,7 @@ def _fetch(parts: list[Any]) -> np.ndarray:
 
 # --- what the optimizer computes the record from -----------------------------------------------
 
-class _MonitorSpec:
+class MonitorSpec:
     """What the optimizer needs to compute the record: per stats layer (path, compute dtype,
     ids of its trainable variables), per variable of a leaf layer its index in the log's layer
     list, the sampling period, and (torch, eager) the host's step counter."""

@@ -15,10 +15,28 @@ import keras
 from ...core.plan import Plan, PlanRow, build_plan, stream_notes, with_note
 from ...core.policy import Policy
 from ..common import room_above
-from .environment import _backend, _phase0, resolve_policy
-from .layers import _code_caller, describe
+from .environment import active_backend, resolve_policy
+from .layers import code_caller, describe
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def is_float(x: Any) -> bool:
+    """Whether ``x`` is a tensor (or variable) of one of the :data:`FLOATS` dtypes: what output
+    casts, the monitor's probes and the traced dtypes look at.
+
+    Example:
+        >>> import keras
+        >>> is_float(keras.ops.ones((1,), "float16")), is_float(keras.ops.ones((1,), "int32")), is_float(1.0)
+        (True, False, False)
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return keras.backend.standardize_dtype(dtype) in FLOATS
+    except ValueError:
+        return False
 
 
 # --- dtype policies ---------------------------------------------------------------------------
@@ -80,7 +98,7 @@ _INTERNAL_FLOAT32 = ("BatchNormalization", "LayerNormalization", "GroupNormaliza
 
 
 def _adjuster(policy: Policy, by_path: dict[str, Any]):
-    backend = _backend()
+    backend = active_backend()
     norms = tuple(getattr(keras.layers, n) for n in _INTERNAL_FLOAT32 if hasattr(keras.layers, n))
 
     streams = stream_meetings(policy, by_path)
@@ -123,7 +141,7 @@ def _adjuster(policy: Policy, by_path: dict[str, Any]):
 
 def stream_meetings(policy: Policy, by_path: dict[str, Any]):
     """``note(row) -> str | None``, fed the requested rows parents first: the core's
-    :func:`~ampbridge.core.plan.stream_notes` with Keras's callers (:func:`_code_caller`): a layer
+    :func:`~ampbridge.core.plan.stream_notes` with Keras's callers (:func:`code_caller`): a layer
     called from another layer's own code (keras-hub's ``TransformerEncoder`` calling its norm)
     whose output dtype differs from its caller's compute dtype. The caller's code mixes what it
     returns with its own tensors (``x + residual``): JAX and torch promote, and on TensorFlow
@@ -131,7 +149,7 @@ def stream_meetings(policy: Policy, by_path: dict[str, Any]):
     becomes the same dtype on every backend. A layer called by a Functional graph or a Sequential
     is not flagged: Keras casts each layer's inputs to that layer's compute dtype.
     """
-    return stream_notes(policy, lambda path: _code_caller(path, by_path))
+    return stream_notes(policy, lambda path: code_caller(path, by_path))
 
 
 def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
@@ -158,9 +176,9 @@ def static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     described, by_path = describe(model)
     from .fp8 import mark_rows
 
-    built = build_plan(described, policy, framework=f"keras ({_backend()})",
-                       adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
-    rows, following = _composite_outputs(list(built.rows), by_path, _phase0(policy))
+    built = build_plan(described, policy, framework=f"keras ({active_backend()})",
+                       adjust=_adjuster(policy.at(step=0, epoch=0), by_path), warn=warn, notes=notes)
+    rows, following = _composite_outputs(list(built.rows), by_path, policy.at(step=0, epoch=0))
     if following:
         notes = built.notes + (f"{following} composite row(s) follow the data flow (Keras casts nothing at a "
                                "layer's output); ampbridge.keras.trace(model, policy, *example_inputs) traces "
@@ -188,7 +206,7 @@ def _composite_outputs(rows: "list[PlanRow]", by_path: dict[str, Any], policy: P
     ids = {id(sub): p for p, sub in by_path.items()}
     called: dict[str, list[int]] = {}  # caller -> the rows its own code calls (one pass: 10,000 layers)
     for j, r in enumerate(rows):
-        caller = _code_caller(r.path, by_path)
+        caller = code_caller(r.path, by_path)
         if caller is not None:
             called.setdefault(caller, []).append(j)
     following, maybe = 0, {}  # maybe: the dtypes a data-flow row may return

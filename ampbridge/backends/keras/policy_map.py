@@ -27,7 +27,7 @@ from typing import Any
 import keras
 
 from ...errors import warn_once
-from .layers import AUTHOR, _code_caller, walk
+from .layers import AUTHOR, code_caller, walk
 from .plan import MixedDTypePolicy
 
 _CARRIER = "_ampbridge_carries_pins"  # in a layer's __dict__: its get_config writes the map
@@ -74,7 +74,7 @@ def _uncarried(layer: Any) -> dict[str, list[str]]:
             if sub.__dict__.get(AUTHOR) != policy:
                 out.setdefault("no Keras path", []).append(path)
             continue
-        caller = _code_caller(path, by_path)
+        caller = code_caller(path, by_path)
         if caller is None:
             continue  # called by a graph, which casts each layer's inputs: carried exactly
         if _recast_output(sub):

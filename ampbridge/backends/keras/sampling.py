@@ -18,7 +18,7 @@ from keras import ops
 
 from ...errors import AmpBridgeWarning, UnsupportedOptionError
 from ..common import read_host_scalar
-from .environment import _backend
+from .environment import active_backend
 from .numerics import host_value
 
 
@@ -32,7 +32,7 @@ class SamplingHooks(NamedTuple):
     expect: Callable[[int], None]  # the step the next record() is
 
 
-class _FitDispatch:
+class FitDispatch:
     """``model.train_function`` while a :class:`MonitorCallback` monitors ``fit``: two of Keras's own
     train functions, made by Keras's ``make_train_function``, one traced without the monitor
     (unsampled steps: the same graph / program / ops as no monitor) and one with it (sampled
@@ -56,9 +56,9 @@ class _FitDispatch:
         # Keras's TensorFlow and JAX trainers capture the train step when they make the function,
         # so `plain` enters the unsampled mode only while it is traced; its torch trainer (and JAX
         # under NNX) look `model.train_step` up at each call, so there every unsampled call enters it.
-        self._mode_each_call = _backend() == "torch" or getattr(keras.config, "is_nnx_enabled", lambda: False)()
+        self._mode_each_call = active_backend() == "torch" or getattr(keras.config, "is_nnx_enabled", lambda: False)()
         # JAX (Keras's own jit): unsampled steps are read late, at the next sample (see _late_step)
-        self._late = _backend() == "jax" and not self._mode_each_call
+        self._late = active_backend() == "jax" and not self._mode_each_call
         self.plain = self._keras_train_function(model, self.hooks.unsampled, finite_out=self._late)
         self.stats = self._keras_train_function(model)
         self._own_at: list[int] | None = None  # JAX: the loss-scale state's places in the optimizer values
@@ -128,7 +128,7 @@ class _FitDispatch:
         return self._state
 
     def __call__(self, *args: Any) -> Any:
-        backend = _backend()
+        backend = active_backend()
         if backend == "jax":
             state, iterator = args
             data = next(iterator)
@@ -257,7 +257,7 @@ class _FitDispatch:
     def _skipped(self, out: Any) -> int:
         """The skipped-step counter after the step: one 4-byte read (on torch's CPU the counter's
         own memory, read without an aten op)."""
-        backend = _backend()
+        backend = active_backend()
         if backend == "jax":
             return int(host_value(out[1][2][self._own_places()[4]]))
         value = self.monitor.optimizer.skipped_steps.value
@@ -283,7 +283,7 @@ class _FitDispatch:
         own = [before.good_steps, np.float32(before.scale), before.hysteresis_left, before.steps, before.skipped]
         opt.monitor_spec.host_step = 0  # torch samples on the host: this step is
         self.hooks.expect(before.steps)
-        if _backend() == "jax":
+        if active_backend() == "jax":
             import jax.numpy as jnp
 
             trainable, non_trainable, opt_values, metrics = state if disposable else _copy_state(state)

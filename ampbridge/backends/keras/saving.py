@@ -22,9 +22,9 @@ from typing import Any
 import keras
 
 from ...core.policy import LossScaleConfig, Policy
-from .apply import _POLICY_ASSET, apply
+from .apply import POLICY_ASSET, apply
 from .layers import AUTHOR, mark_automatic, walk
-from .loss_scale import _ASSET, LossScaleOptimizer
+from .loss_scale import LOSS_SCALE_ASSET, LossScaleOptimizer
 
 
 def _read_assets(filepath: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -38,7 +38,7 @@ def _read_assets(filepath: Any) -> tuple[dict[str, Any] | None, dict[str, Any] |
         def read(name: str) -> dict[str, Any] | None:
             return json.loads(archive.read(name).decode("utf-8")) if name in names else None
 
-        return read(f"assets/{_POLICY_ASSET}"), read(f"assets/optimizer/{_ASSET}")
+        return read(f"assets/{POLICY_ASSET}"), read(f"assets/optimizer/{LOSS_SCALE_ASSET}")
 
 
 def _restore_custom_compile(model: Any, filepath: Any) -> bool:

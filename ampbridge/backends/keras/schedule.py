@@ -13,7 +13,7 @@ from keras import ops
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from ..common import PhaseClock
-from .apply import _refresh_compiled, apply
+from .apply import refresh_compiled, apply
 from .environment import resolve_policy
 from .loss_scale import LossScaleCallback
 
@@ -62,4 +62,4 @@ class PhaseCallback(PhaseClock, LossScaleCallback):
         if opt is not None:
             reset = index is not None and self.policy.phases[index].reset_loss_scale and not first
             opt.set_loss_scale_config(active.resolved_loss_scale, reset=reset)
-        _refresh_compiled(self.model)  # again: the loss-scale settings are baked in too
+        refresh_compiled(self.model)  # again: the loss-scale settings are baked in too

@@ -14,10 +14,10 @@ import keras
 from ...core.plan import NO_OP, Plan, join_notes, not_run, traced_plan, traced_row, with_note
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
-from .apply import _is_float, apply
-from .environment import _backend
+from .apply import apply
+from .environment import active_backend
 from .layers import walk
-from .plan import static_plan
+from .plan import is_float, static_plan
 
 
 def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
@@ -100,7 +100,7 @@ def _probe(model: Any) -> dict[str, dict[str, set[str]]]:
 
 
 def _matmul_precision_restorer() -> Any:
-    backend = _backend()
+    backend = active_backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -120,6 +120,6 @@ def _matmul_precision_restorer() -> Any:
 
 
 def _floats(tree: Any) -> set[str]:
-    return {keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(tree) if _is_float(t)}
+    return {keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(tree) if is_float(t)}
 
 

@@ -10,8 +10,8 @@ A ``[[phase]]`` schedule: each layer is made under the policy of a phase that ne
 ``AutoCastVariable``s (a mixed one) and switched to the first phase's policy once its variables
 exist; ``PhaseCallback`` (``schedule``) switches them at the phase boundaries.
 
-Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``_made_rows``, ``_switch``,
-``_attach_asset``, ``OUTPUT_CAST``, ``ASSET``.
+Names: ``apply``; ``_rebuild``, ``_copy_weights``, ``_cast_outputs``, ``_made_rows``, ``switch_policies``,
+``attach_asset``, ``OUTPUT_CAST``, ``ASSET``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from ...core.plan import PlanRow, build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from ..common import room_above
-from .environment import FRAMEWORK, _phase0, resolve_policy, set_matmul_precision
-from .layers import _AUTHOR, _describe, _graph, dtype_policy, walk
+from .environment import FRAMEWORK, resolve_policy, set_matmul_precision
+from .layers import AUTHOR, describe, is_graph, dtype_policy, walk
 
 #: the name of the layer :func:`apply` appends to cast the model's outputs to ``output_dtype``
 OUTPUT_CAST = "ampbridge_output_cast"
@@ -45,14 +45,14 @@ def _rebuild(model: Any, rows: dict[str, PlanRow], prefix: str = "") -> Any:
     def clone(layer: Any) -> Any:
         path = paths[id(layer)]
         full = f"{prefix}.{path}" if prefix else path
-        if _graph(layer):
+        if is_graph(layer):
             new = _rebuild(layer, rows, full)
         else:
             row = rows[full]
             config = layer.get_config()
             config["dtype"] = dtype_policy(row.compute_dtype, row.param_dtype, where=full).name
             new = type(layer).from_config(config)
-        object.__setattr__(new, _AUTHOR, layer.__dict__.get(_AUTHOR))  # the author's, not ampbridge's
+        object.__setattr__(new, AUTHOR, layer.__dict__.get(AUTHOR))  # the author's, not ampbridge's
         return new
 
     row = rows[prefix]
@@ -72,7 +72,7 @@ def _copy_weights(source: Any, target: Any) -> None:
     by_path = dict(walk(target))
     for path, layer in walk(source):
         own = layer._trainable_weights + layer._non_trainable_weights
-        if not own or _graph(layer):
+        if not own or is_graph(layer):
             continue
         twin = by_path[path]
         for mine, theirs in zip(twin._trainable_weights + twin._non_trainable_weights, own, strict=True):
@@ -139,7 +139,7 @@ def _made_rows(described: list[Any], policy: Policy, active: dict[str, PlanRow])
     return made
 
 
-def _switch(by_path: dict[str, Any], rows: dict[str, PlanRow], *, after_build: bool = False) -> None:
+def switch_policies(by_path: dict[str, Any], rows: dict[str, PlanRow], *, after_build: bool = False) -> None:
     """Each layer's policy set to its row's (the phase in force). ``after_build``: a layer not built
     yet keeps the policy it is made with until its ``build`` has made its variables, then switches."""
     for path, layer in by_path.items():
@@ -162,7 +162,7 @@ def _switch(by_path: dict[str, Any], rows: dict[str, PlanRow], *, after_build: b
 ASSET = "ampbridge_tf_keras.json"
 
 
-def _attach_asset(model: Any) -> None:
+def attach_asset(model: Any) -> None:
     """Make ``model.save("….keras")`` write the policy and the compiled optimizer's loss-scale state into
     the archive's ``assets/`` (``save_assets`` is the hook Keras 2's ``.keras`` saving calls on every
     object that has one; an instance attribute here): Keras 2's own ``.keras`` file keeps the inner
@@ -203,7 +203,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         ('mixed_float16', 'float32')
     """
     built = any(layer.built for _, layer in walk(model))
-    if built and not _graph(model):
+    if built and not is_graph(model):
         raise UnsupportedOptionError(
             f"ampbridge.tf_keras.apply on a built {type(model).__name__}: Keras 2 fixes a layer's dtype when its "
             "variables are made, and only a Functional or Sequential model can be rebuilt from its config; apply "
@@ -216,9 +216,9 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         raise UnsupportedOptionError(
             "[fp8] is not realised on tf.keras 2: Keras 2 has no float8 training (Keras 3's quantize(\"float8\") "
             "does: ampbridge.keras); remove the [fp8] table for tf.keras 2")
-    active = _phase0(policy)
+    active = policy.at(step=0, epoch=0)
     set_matmul_precision(active.matmul_precision)
-    described, by_path = _describe(model)
+    described, by_path = describe(model)
     rows = {row.path: row for row in build_plan(described, active, framework=FRAMEWORK, warn=warn)}
     for row in rows.values():
         if row.path and row.output_dtype != row.compute_dtype:
@@ -233,7 +233,7 @@ def apply(model: Any, policy: Policy | str, *, warn: bool = True) -> Any:
         _copy_weights(model, applied)
         applied = _cast_outputs(applied, policy.output_dtype)
     if made is not rows:  # a schedule: the first phase runs, in layers made for every phase
-        _switch(_describe(applied)[1], rows, after_build=not built)
+        switch_policies(describe(applied)[1], rows, after_build=not built)
     object.__setattr__(applied, "_ampbridge_policy", policy)
-    _attach_asset(applied)
+    attach_asset(applied)
     return applied

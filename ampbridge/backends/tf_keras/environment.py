@@ -1,7 +1,8 @@
 """The device TensorFlow computes on for Keras 2, the policy that actually runs there (the bisect
 switch, ``compute_dtype = "auto"``) and matmul precision (TensorFlow's TF32 switch).
 
-Names: ``device``, ``resolve_policy``, ``set_matmul_precision``; ``_phase0`` (the policy at step 0).
+Names: ``device``, ``resolve_policy``, ``set_matmul_precision`` (the policy at step 0 is the core's
+``Policy.at(step=0, epoch=0)``).
 """
 
 from __future__ import annotations
@@ -49,10 +50,6 @@ def resolve_policy(policy: Policy | str, *, warn: bool = True) -> tuple[Policy, 
         'float16'
     """
     return resolve_common(policy, FRAMEWORK, device, warn=warn)  # it asks the device only for "auto", once
-
-
-def _phase0(policy: Policy) -> Policy:
-    return policy.at(step=0, epoch=0) if policy.phases else policy
 
 
 def set_matmul_precision(precision: str) -> None:

@@ -2,7 +2,7 @@
 dtypes the model's author fixed, and the neutral ``Layer`` descriptors the core plans from.
 
 Names: ``layers``, ``walk``, ``dtype_policy``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``owns``, ``author_dtypes``;
-``_describe``, ``_AUTHOR``.
+``describe``, ``AUTHOR``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _own_params(layer: Any) -> int:
     return sum(int(np.prod(v.shape)) for v in own)
 
 
-_AUTHOR = "_ampbridge_author_dtypes"  # in the layer's __dict__: read before ampbridge rebuilds it
+AUTHOR = "_ampbridge_author_dtypes"  # in the layer's __dict__: read before ampbridge rebuilds it
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -115,12 +115,12 @@ def author_dtypes(layer: Any, model: Any) -> tuple[str, str] | None:
         >>> author_dtypes(m.layers[0], m)
         ('float16', 'float16')
     """
-    if _AUTHOR in layer.__dict__:
-        return layer.__dict__[_AUTHOR]
+    if AUTHOR in layer.__dict__:
+        return layer.__dict__[AUTHOR]
     fixed = _pair(layer) if _pair(layer) != _pair(model) else None
     if fixed is not None and not (fixed[0] in _FLOATS and fixed[1] in _FLOATS):
         fixed = None
-    object.__setattr__(layer, _AUTHOR, fixed)
+    object.__setattr__(layer, AUTHOR, fixed)
     return fixed
 
 
@@ -133,7 +133,7 @@ def layers(model: Any) -> list[Layer]:
         >>> [(l.path, l.kind, l.param_count) for l in layers(m)]
         [('', None, 0), ('head', 'linear', 3)]
     """
-    return _describe(model)[0]
+    return describe(model)[0]
 
 
 def dtype_policy(compute_dtype: str, param_dtype: str, *, where: str = "") -> Any:
@@ -155,7 +155,8 @@ def dtype_policy(compute_dtype: str, param_dtype: str, *, where: str = "") -> An
         "compute with float32 parameters (mixed_float16, mixed_bfloat16)")
 
 
-def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
+def describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
+    """The model's core ``Layer`` descriptors and its layers by path (what planning and applying read)."""
     described, by_path = [], {}
     for path, layer in walk(model):
         kind, source = kind_and_source(layer)
@@ -165,6 +166,6 @@ def _describe(model: Any) -> tuple[list[Layer], dict[str, Any]]:
     return described, by_path
 
 
-def _graph(layer: Any) -> bool:
+def is_graph(layer: Any) -> bool:
     """Whether ``layer`` is a Functional or Sequential model (its graph calls its layers)."""
     return isinstance(layer, tf_keras.Model) and bool(getattr(layer, "_is_graph_network", False))

@@ -5,11 +5,11 @@ Keras 2's dynamic loss scale (``_DynamicLossScaleState.update`` in
 ``tf_keras/src/mixed_precision/loss_scale_optimizer.py``, tf-keras 2.21) grows x2 after
 ``dynamic_growth_steps`` finite steps (not to inf), halves on a non-finite step with a floor of 1,
 and skips that step: the reference algorithm with growth 2, backoff 0.5, hysteresis 1 and
-``min_scale = 1``. Every other setting runs on ``_ReferenceState``, which replaces that state
+``min_scale = 1``. Every other setting runs on ``ReferenceState``, which replaces that state
 object inside the same optimizer (``fit``, ``get_scaled_loss`` / ``get_unscaled_gradients`` and
 checkpoints work as with Keras 2's own).
 
-Names: ``optimizer``, ``keras2_expressible``; ``_ReferenceState``, ``_refusals``, ``_PolicyRecord``.
+Names: ``optimizer``, ``keras2_expressible``; ``ReferenceState``, ``_refusals``, ``_PolicyRecord``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tf_keras.src.mixed_precision import loss_scale_optimizer as _lso
 from ...core.loss_scale import f32, initial_state, restart_count
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import UnsupportedOptionError
-from .environment import _phase0, resolve_policy
+from .environment import resolve_policy
 
 
 def keras2_expressible(config: LossScaleConfig) -> bool:
@@ -45,7 +45,7 @@ def keras2_expressible(config: LossScaleConfig) -> bool:
 
 
 def _refusals(config: LossScaleConfig) -> list[str]:
-    """The settings neither Keras 2 nor :class:`_ReferenceState` realise, by name."""
+    """The settings neither Keras 2 nor :class:`ReferenceState` realise, by name."""
     out = []
     if config.on_min_scale != "clamp":
         out.append(f"on_min_scale={config.on_min_scale!r} (accepted with tf_keras: 'clamp')")
@@ -56,7 +56,7 @@ def _refusals(config: LossScaleConfig) -> list[str]:
     return out
 
 
-class _ReferenceState(_lso._DynamicLossScaleState):
+class ReferenceState(_lso._DynamicLossScaleState):
     """Keras 2's loss-scale state object running the core's reference algorithm in TensorFlow ops:
     any growth and backoff factor, hysteresis, ``consecutive_hysteresis``, min and max scale, static
     and none modes, ``skip_nonfinite``. Its variables (``current_loss_scale``, ``good_steps``, plus
@@ -131,7 +131,7 @@ def optimizer(inner: Any, policy: Policy | str) -> Any:
     name) with the policy's loss-scale settings (its first phase's, ``auto`` resolved).
 
     Keras 2's own algorithm where :func:`keras2_expressible`; otherwise the same class with
-    :class:`_ReferenceState` in place of Keras 2's state. ``on_min_scale`` other than ``clamp``,
+    :class:`ReferenceState` in place of Keras 2's state. ``on_min_scale`` other than ``clamp``,
     ``max_consecutive_skips`` and ``first_growth_interval`` are refused by name.
 
     Example:
@@ -144,7 +144,7 @@ def optimizer(inner: Any, policy: Policy | str) -> Any:
         ('LossScaleOptimizerV3', 1024.0, 4)
     """
     policy, _ = resolve_policy(policy)
-    active = _phase0(policy)
+    active = policy.at(step=0, epoch=0)
     config = active.resolved_loss_scale
     refused = _refusals(config)
     if refused:
@@ -161,19 +161,19 @@ def optimizer(inner: Any, policy: Policy | str) -> Any:
     start = initial_state(config)
     opt = tf_keras.mixed_precision.LossScaleOptimizer(
         inner, dynamic=True, initial_scale=start.scale, dynamic_growth_steps=max(config.growth_interval, 1))
-    return _equip(opt, policy)
+    return equip(opt, policy)
 
 
-def _equip(opt: Any, policy: Policy) -> Any:
+def equip(opt: Any, policy: Policy) -> Any:
     """``opt`` (a Keras 2 ``LossScaleOptimizer`` with the policy's initial scale and growth steps) made to
     run the policy: the reference state in place of Keras 2's where Keras 2's algorithm is not the
     policy's, and the policy recorded under the optimizer's checkpoint key ``ampbridge_policy``."""
-    config = _phase0(policy).resolved_loss_scale
+    config = policy.at(step=0, epoch=0).resolved_loss_scale
     # a schedule whose phases change the settings runs on the reference state (PhaseCallback switches them)
     same = all(phase.policy.resolved_loss_scale == config for phase in policy.phases) and (
         not policy.phases or policy.replace(phases=()).resolved_loss_scale == config)
     if not (keras2_expressible(config) and same):
-        state = _ReferenceState(config)
+        state = ReferenceState(config)
         opt._loss_scale = state  # private: the state object Keras 2's apply_gradients asks (tf-keras 2.21)
         opt._track_trackable(state, "loss_scale", overwrite=True)
     opt._track_trackable(_PolicyRecord(policy), "ampbridge_policy", overwrite=True)
@@ -185,7 +185,7 @@ def state_of(opt: Any) -> dict[str, float | int]:
     ``LossScaleState`` fields that exist there: Keras 2's own state has scale and good steps only)."""
     inner_state = opt._loss_scale
     out: dict[str, float | int] = {"scale": float(opt.loss_scale.numpy()), "good_steps": int(opt.dynamic_counter.numpy())}
-    if isinstance(inner_state, _ReferenceState):
+    if isinstance(inner_state, ReferenceState):
         out.update(hysteresis_left=int(inner_state.hysteresis_left.numpy()), steps=int(inner_state.steps.numpy()),
                    skipped=int(inner_state.skipped.numpy()))
     return out

@@ -16,7 +16,6 @@ from ...core.dtypes import formats
 from ...core.io import policy_to_dict
 from ...diagnostics.runlog import STAT_KEYS, RunLogWriter
 from ...errors import UnsupportedOptionError
-from .environment import _phase0
 from .layers import walk
 from .plan import plan
 
@@ -93,7 +92,7 @@ class Monitor(tf_keras.callbacks.Callback):
         strategy = model.distribute_strategy
         self._replicas = strategy.num_replicas_in_sync
         self.path, self.every, self.attribution, self.model_ = path, every, attribution, model
-        self.policy = _phase0(policy)
+        self.policy = policy.at(step=0, epoch=0)
         rows = plan(model, self.policy, warn=False).rows
         self._groups = self._variables_by_layer(model, {r.path: r.compute_dtype for r in rows})
         self.layers = [r.path for r in rows if r.path]

@@ -1,7 +1,7 @@
 """The Plan of a tf_keras model (the core's rules, plus the rows where Keras 2 itself does
-otherwise), static or observed in one forward of the applied copy (``_traced``; ``trace`` is its verb).
+otherwise), static or observed in one forward of the applied copy (``traced``; ``trace`` is its verb).
 
-Names: ``plan``, ``STREAM_REFUSED``; ``_static``, ``_traced``, ``_adjuster``, ``_code_caller``.
+Names: ``plan``, ``STREAM_REFUSED``; ``_static``, ``traced``, ``_adjuster``, ``_code_caller``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import tf_keras
 from ...core.plan import Plan, PlanRow, build_plan, stream_notes, traced_plan, traced_row, with_note
 from ...core.policy import Policy
 from .apply import apply
-from .environment import FRAMEWORK, _phase0, resolve_policy
-from .layers import _describe, _graph, walk
+from .environment import FRAMEWORK, resolve_policy
+from .layers import describe, is_graph, walk
 
 
 #: what a stream row's note adds on tf_keras: ampbridge turns TensorFlow's promotion on for Keras 3 only
@@ -31,7 +31,7 @@ def _code_caller(path: str, by_path: dict[str, Any]) -> str | None:
         return None
     parent = path.rsplit(".", 1)[0] if "." in path else ""
     layer = by_path.get(parent)
-    return None if layer is None or _graph(layer) else parent
+    return None if layer is None or is_graph(layer) else parent
 
 
 def _adjuster(policy: Policy, by_path: dict[str, Any]):
@@ -74,25 +74,25 @@ def plan(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = Tr
         'bfloat16'
     """
     if example_inputs:
-        return _traced(model, policy, example_inputs, warn=warn)
+        return traced(model, policy, example_inputs, warn=warn)
     return _static(model, policy, warn=warn)
 
 
 def _static(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     policy, notes = resolve_policy(policy, warn=warn)
-    described, by_path = _describe(model)
+    described, by_path = describe(model)
     return build_plan(described, policy, framework=FRAMEWORK,
-                      adjust=_adjuster(_phase0(policy), by_path), warn=warn, notes=notes)
+                      adjust=_adjuster(policy.at(step=0, epoch=0), by_path), warn=warn, notes=notes)
 
 
-def _traced(model: Any, policy: Policy | str, example_inputs: tuple[Any, ...], *, warn: bool = True) -> Plan:
+def traced(model: Any, policy: Policy | str, example_inputs: tuple[Any, ...], *, warn: bool = True) -> Plan:
     """The static Plan with the output dtypes one forward of the applied copy observed: the model's, and
     those of the layers of its own graph called once (a nested graph's tensors are its own)."""
     static = _static(model, policy, warn=warn)
     twin = apply(model, static.policy, warn=False)  # a rebuilt copy: the model given is not changed
     by_path = dict(walk(twin))
-    probed = [p for p, layer in by_path.items()
-              if p and "." not in p and not _graph(layer) and len(getattr(layer, "_inbound_nodes", ())) == 1]
+    probed = [p for p, layer in by_path.items() if p and "." not in p and not is_graph(layer)
+              and len(getattr(layer, "_inbound_nodes", ())) == 1]
     taps = tf_keras.Model(twin.inputs, [by_path[p].output for p in probed] + [twin.output])
     seen = taps(*example_inputs)
     observed = {p: {t.dtype.name} for p, t in zip(probed, seen)}

@@ -28,9 +28,9 @@ import tf_keras
 
 from ...core.policy import Policy
 from ...errors import AmpBridgeWarning, UnsupportedOptionError
-from .apply import ASSET, _attach_asset
-from .environment import _phase0, resolve_policy
-from .loss_scale import _equip, _ReferenceState
+from .apply import ASSET, attach_asset
+from .environment import resolve_policy
+from .loss_scale import equip, ReferenceState
 
 
 def _format(path: str) -> str:
@@ -79,7 +79,7 @@ def _set_state(opt: Any, state: dict[str, Any]) -> None:
     ls = opt._loss_scale  # private: Keras 2's state object (or the reference one), as in loss_scale.py
     ls.current_loss_scale.assign(state["scale"])
     ls.counter.assign(state["good_steps"])
-    if isinstance(ls, _ReferenceState):
+    if isinstance(ls, ReferenceState):
         for name in ("hysteresis_left", "steps", "skipped"):
             if name in state:
                 getattr(ls, name).assign(state[name])
@@ -107,17 +107,17 @@ def load_model(filepath: Any, policy: Policy | str | None = None, **kwargs: Any)
         return model
     policy, _ = resolve_policy(policy, warn=False)
     object.__setattr__(model, "_ampbridge_policy", policy)
-    _attach_asset(model)  # saved again, it keeps them again
+    attach_asset(model)  # saved again, it keeps them again
     native = getattr(model, "optimizer", None)
     if not isinstance(native, tf_keras.mixed_precision.LossScaleOptimizer):
         return model
-    config = _phase0(policy).resolved_loss_scale
+    config = policy.at(step=0, epoch=0).resolved_loss_scale
     if not native.dynamic or native.dynamic_growth_steps != max(config.growth_interval, 1):
         raise UnsupportedOptionError(
             f"{path}: its LossScaleOptimizer (dynamic={native.dynamic}, dynamic_growth_steps="
             f"{native.dynamic_growth_steps}) is not the one the policy makes (growth_interval={config.growth_interval}); "
             "accepted: the policy the model was trained with (load_model without one reads it from the file)")
-    ours = _equip(native, policy)  # Keras 2's own optimizer, as loaded: the inner one's variables kept
+    ours = equip(native, policy)  # Keras 2's own optimizer, as loaded: the inner one's variables kept
     model.train_function = None  # traced again with the state object in place
     if fmt == "savedmodel":
         model.load_weights(_checkpoint(path)).expect_partial()  # every optimizer variable, on creation

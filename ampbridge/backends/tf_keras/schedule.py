@@ -15,18 +15,18 @@ from ...core.plan import build_plan
 from ...core.policy import Policy
 from ...errors import UnsupportedOptionError
 from ..common import PhaseClock
-from .apply import _switch
+from .apply import switch_policies
 from .environment import FRAMEWORK, resolve_policy, set_matmul_precision
-from .layers import _describe
-from .loss_scale import _ReferenceState
+from .layers import describe
+from .loss_scale import ReferenceState
 
 
-def _state(ref: _ReferenceState) -> LossScaleState:
+def _state(ref: ReferenceState) -> LossScaleState:
     return LossScaleState(float(ref.current_loss_scale.numpy()), int(ref.counter.numpy()),
                           int(ref.hysteresis_left.numpy()), int(ref.steps.numpy()), int(ref.skipped.numpy()))
 
 
-def _set_state(ref: _ReferenceState, state: LossScaleState) -> None:
+def _set_state(ref: ReferenceState, state: LossScaleState) -> None:
     ref.current_loss_scale.assign(state.scale)
     ref.counter.assign(state.good_steps)
     ref.hysteresis_left.assign(state.hysteresis_left)
@@ -65,17 +65,18 @@ class PhaseCallback(PhaseClock, tf_keras.callbacks.Callback):
         opt = self._opt if self._opt is not None else getattr(self.model, "optimizer", None)
         self._opt = opt
         self._ref = getattr(opt, "_loss_scale", None)
-        if not isinstance(self._ref, _ReferenceState):
+        if not isinstance(self._ref, ReferenceState):
             raise UnsupportedOptionError(
                 "PhaseCallback: compile the model with ampbridge.tf_keras.optimizer(inner, policy) made with this "
                 f"schedule (its loss-scale settings change by phase); received {type(opt).__name__}")
-        self._described, self._by_path = _describe(self.model)
+        self._described, self._by_path = describe(self.model)
         self._step = int(self._ref.steps.numpy())  # every step seen, skipped ones included
 
     def _switch(self, index: int | None, first: bool, **where: int) -> None:
         active = self.policy.at(**where)
         set_matmul_precision(active.matmul_precision)
-        _switch(self._by_path, {r.path: r for r in build_plan(self._described, active, framework=FRAMEWORK, warn=False)})
+        rows = build_plan(self._described, active, framework=FRAMEWORK, warn=False)
+        switch_policies(self._by_path, {r.path: r for r in rows})
         cfg = active.resolved_loss_scale
         reset = index is not None and self.policy.phases[index].reset_loss_scale and not first
         if cfg != self._ref.config or reset:

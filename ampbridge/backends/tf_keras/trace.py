@@ -9,7 +9,7 @@ from typing import Any
 
 from ...core.plan import Plan
 from ...core.policy import Policy
-from .plan import _traced
+from .plan import traced
 
 
 def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = True) -> Plan:
@@ -26,4 +26,4 @@ def trace(model: Any, policy: Policy | str, *example_inputs: Any, warn: bool = T
     if not example_inputs:
         raise TypeError("ampbridge.tf_keras.trace(model, policy, *example_inputs) needs example inputs to run "
                         "(the static Plan is ampbridge.tf_keras.plan(model, policy))")
-    return _traced(model, policy, example_inputs, warn=warn)
+    return traced(model, policy, example_inputs, warn=warn)

@@ -39,12 +39,13 @@ from ...errors import AmpBridgeError
 from ..common import environment
 from .environment import device_type_of, resolve_for_device
 from . import fp8
-from .forward import _install, installed, _keep_slow_path, _matmul_precision, _MhaSlowPath, _region, _uninstall
+from .forward import (MhaSlowPath, autocast_region, float32_matmul_precision, install_forward, installed,
+                      keep_slow_path, uninstall_forward)
 from .loss_scale import GradScaler, StepResult
 from .monitor import Monitor
 from .plan import Realisation, realise_plan
 from .schedule import PhaseState
-from .trace import _trace
+from .trace import trace_forward
 
 log = logging.getLogger("ampbridge.torch")
 
@@ -209,10 +210,10 @@ class TorchAmp:
     def _install(self, realisation: Realisation) -> None:
         modules = dict(self.model.named_modules())
         for path, spec in realisation.specs.items():
-            _install(modules[path], spec)
+            install_forward(modules[path], spec)
         # the fused fast path bypasses the children's forwards (their rules) and ignores CPU autocast
         # (it checks CUDA's only): a layer whose row computes below float32 would run in float32
-        self._hooks = [module.register_forward_pre_hook(_keep_slow_path)
+        self._hooks = [module.register_forward_pre_hook(keep_slow_path)
                        for path, module in modules.items() if isinstance(module, nn.TransformerEncoderLayer)
                        and (realisation.plan[path].compute_dtype != "float32"
                             or any(p != path and (not path or p.startswith(path + ".")) for p in realisation.specs))]
@@ -220,13 +221,13 @@ class TorchAmp:
         if self.device_type == "cpu":
             for path, module in modules.items():
                 if isinstance(module, nn.MultiheadAttention) and realisation.plan[path].compute_dtype != "float32":
-                    slow = _MhaSlowPath()
+                    slow = MhaSlowPath()
                     self._hooks.append(module.register_forward_pre_hook(slow.before))
                     self._hooks.append(module.register_forward_hook(slow.after, always_call=True))
 
     def _uninstall(self) -> None:
         for _, module in self.model.named_modules():
-            _uninstall(module)
+            uninstall_forward(module)
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
         self._hooks = []
@@ -283,7 +284,7 @@ class TorchAmp:
     def autocast(self) -> Iterator[None]:
         """The model-wide region (autocast in the compute dtype, the matmul precision), for the loss."""
         root = self._realisation.specs[""]
-        with _matmul_precision(root.matmul_precision), _region(self.device_type, root.region):
+        with float32_matmul_precision(root.matmul_precision), autocast_region(self.device_type, root.region):
             yield
 
     def step(self, loss: torch.Tensor, optimizer: Any | Sequence[Any], *, clip_grad_norm: float | None = None,
@@ -324,7 +325,7 @@ class TorchAmp:
         if accumulate > 1:
             loss = loss / accumulate
         self._micro_batches += 1
-        with _matmul_precision(self._resolved.matmul_precision):
+        with float32_matmul_precision(self._resolved.matmul_precision):
             self.scaler.scale(loss).backward()
             if self._micro_batches < accumulate:
                 return StepResult(False, accumulating=True)
@@ -363,7 +364,7 @@ class TorchAmp:
         Every row that ran says what it really computed in; rows that follow their input's dtype
         get the observed dtype, rows that did not run say so.
         """
-        return _trace(self, args, kwargs)
+        return trace_forward(self, args, kwargs)
 
     # --- schedules
 

@@ -22,7 +22,7 @@ from ...errors import AmpBridgeError, UnsupportedOptionError
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                   "float16": torch.float16}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_LOW = (torch.float16, torch.bfloat16)
+LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def native_dtype(name: str) -> torch.dtype:

@@ -1,8 +1,8 @@
 """The forward ampbridge installs on a pinned module: its region (autocast off, or a nested
 autocast), its input, parameter and output casts, and installing and removing it.
 
-Holds ``_Spec``, ``_Forward``, ``_install``, ``_uninstall``, ``installed``, ``_region``,
-``_matmul_precision``, ``_keep_slow_path`` and ``_MhaSlowPath``.
+Holds ``ForwardSpec``, ``_Forward``, ``install_forward``, ``uninstall_forward``, ``installed``,
+``autocast_region``, ``float32_matmul_precision``, ``keep_slow_path`` and ``MhaSlowPath``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map_only
 
 # --- the realisation ---------------------------------------------------------------------------
 
-class _Spec(NamedTuple):
+class ForwardSpec(NamedTuple):
     """How one module's forward is run (frozen; stored on the module's forward wrapper)."""
 
     path: str
@@ -42,7 +42,9 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
-def _region(device_type: str, dtype: torch.dtype | None) -> Any:
+def autocast_region(device_type: str, dtype: torch.dtype | None) -> Any:
+    """The autocast context a region computing in ``dtype`` runs in: none (None), autocast off
+    (float32), or a nested autocast to ``dtype``."""
     if dtype is None:
         return contextlib.nullcontext()
     if dtype == torch.float32:
@@ -50,7 +52,7 @@ def _region(device_type: str, dtype: torch.dtype | None) -> Any:
     return torch.autocast(device_type, dtype=dtype)
 
 
-class _matmul_precision:
+class float32_matmul_precision:
     """``torch.set_float32_matmul_precision`` for a scope, restored after (nothing when it is equal)."""
 
     __slots__ = ("precision", "previous")
@@ -95,7 +97,7 @@ class _Forward:
 
     __slots__ = ("module", "spec", "previous")
 
-    def __init__(self, module: nn.Module, spec: _Spec, previous: Any):
+    def __init__(self, module: nn.Module, spec: ForwardSpec, previous: Any):
         self.module, self.spec, self.previous = module, spec, previous
 
     @property
@@ -129,7 +131,7 @@ class _Forward:
         else:
             scope = torch.autocast(spec.device_type, dtype=region)
         if spec.root:
-            with _matmul_precision(spec.matmul_precision), scope:
+            with float32_matmul_precision(spec.matmul_precision), scope:
                 out = inner(*args, **kwargs) if present is None else _call_with_params(module, present, inner,
                                                                                         args, kwargs)
         else:
@@ -144,12 +146,12 @@ class _Forward:
         return _cast_floating(out, dtype)
 
 
-def _keep_slow_path(module: nn.Module, args: Any) -> None:
+def keep_slow_path(module: nn.Module, args: Any) -> None:
     """A no-op forward pre-hook: TransformerEncoderLayer skips its fused eval fast path (which would
     bypass its children's forwards, and with them their rules) while any hook is attached."""
 
 
-class _MhaSlowPath:
+class MhaSlowPath:
     """Forward pre-hook and always-called forward hook that keep a ``MultiheadAttention`` off its
     fused eval path for its call (``torch.backends.mha.set_fastpath_enabled``, restored after).
 
@@ -185,12 +187,14 @@ def installed(module: nn.Module) -> _Forward | None:
     return fwd if isinstance(fwd, _Forward) else None
 
 
-def _install(module: nn.Module, spec: _Spec) -> None:
+def install_forward(module: nn.Module, spec: ForwardSpec) -> None:
+    """Give ``module`` ampbridge's forward for ``spec`` (over any instance forward already there)."""
     previous = module.__dict__.get("forward")
     module.forward = _Forward(module, spec, previous)  # type: ignore[method-assign]
 
 
-def _uninstall(module: nn.Module) -> None:
+def uninstall_forward(module: nn.Module) -> None:
+    """Remove ampbridge's forward from ``module`` (what was there before comes back)."""
     fwd = installed(module)
     if fwd is None:
         return

@@ -1,8 +1,9 @@
 """The model's walk: neutral ``Layer`` descriptors (path, kind, class name, parameter count), the
 portable kinds of torch.nn classes, and the registry's question (is this a torch model?).
 
-Holds ``owns``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``layers``, ``_class_name``,
-``_entries`` and ``_kept_in_float32`` (the modules a transformers model keeps in float32). Kinds: ``ampbridge_kind`` attribute, ``register_kind``, torch.nn's classes, then the core's
+Holds ``owns``, ``kind_of``, ``kind_and_source``, ``register_kind``, ``layers``, ``class_name``,
+``module_entries`` and ``kept_in_float32`` (the modules a transformers model keeps in float32).
+Kinds: ``ampbridge_kind`` attribute, ``register_kind``, torch.nn's classes, then the core's
 inference (:mod:`ampbridge.core.kinds`) on the class and its bases' names, then structure.
 """
 
@@ -116,7 +117,7 @@ def kind_and_source(module: nn.Module) -> tuple[str | None, str | None]:
     if _REGISTERED.found(registered):
         return registered, "registered"
     if isinstance(module, torch.jit.ScriptModule):
-        name = _class_name(module)
+        name = class_name(module)
         if name in _KIND_BY_NAME:
             return _KIND_BY_NAME[name], "framework class"
         return infer_kind([name], leaf=next(module.children(), None) is None)
@@ -137,7 +138,14 @@ def _inferred(cls: type, leaf: bool) -> tuple[str | None, str | None]:
     return infer_kind([c.__name__ for c in cls.__mro__ if c not in (nn.Module, object)], leaf=leaf)
 
 
-def _class_name(module: nn.Module) -> str:
+def class_name(module: nn.Module) -> str:
+    """The module's class name as Plans and messages give it (a scripted module's original class,
+    FSDP2's wrapper class's model class).
+
+    Example:
+        >>> class_name(nn.Linear(1, 1))
+        'Linear'
+    """
     if isinstance(module, torch.jit.ScriptModule):
         return getattr(module, "original_name", type(module).__name__)
     cls = type(module)
@@ -149,7 +157,7 @@ def _class_name(module: nn.Module) -> str:
     return cls.__name__
 
 
-def _entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def module_entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``named_modules()``: the model itself first (path ``""``), then every submodule."""
     return list(model.named_modules())
 
@@ -163,7 +171,7 @@ def layers(model: nn.Module) -> list[Layer]:
     """
     seen: set[int] = set()
     out = []
-    for path, module in _entries(model):
+    for path, module in module_entries(model):
         own = 0
         for p in module.parameters(recurse=False):
             if id(p) in seen:
@@ -172,20 +180,20 @@ def layers(model: nn.Module) -> list[Layer]:
             if not isinstance(p, nn.parameter.UninitializedParameter):
                 own += p.numel()
         kind, source = kind_and_source(module)
-        out.append(Layer(path, kind, _class_name(module), own, source))
+        out.append(Layer(path, kind, class_name(module), own, source))
     return out
 
 
 # --- the model author's float32 modules (transformers' _keep_in_fp32_modules) ---------------------
 
-class _Kept(NamedTuple):
+class Kept(NamedTuple):
     """A module that a model's ``_keep_in_fp32_modules`` (or ``_strict``) names."""
 
     strict: bool  # _keep_in_fp32_modules_strict: float32 under float16 and bfloat16; else under float16 only
     declared: str  # where, for the row's note: "T5ForConditionalGeneration._keep_in_fp32_modules 'wo'"
 
 
-def _kept_in_float32(model: nn.Module) -> tuple[dict[str, _Kept], list[str]]:
+def kept_in_float32(model: nn.Module) -> tuple[dict[str, Kept], list[str]]:
     """The modules transformers keeps in float32, and notes on the entries ampbridge cannot pin.
 
     As transformers 5 does when loading (``PreTrainedModel._get_dtype_plan`` and
@@ -202,11 +210,11 @@ def _kept_in_float32(model: nn.Module) -> tuple[dict[str, _Kept], list[str]]:
         ...     _keep_in_fp32_modules = ["head"]
         ...     def __init__(self):
         ...         super().__init__(); self.body, self.head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-        >>> kept, notes = _kept_in_float32(Net())
+        >>> kept, notes = kept_in_float32(Net())
         >>> sorted(kept), kept["head"].strict, notes
         (['head'], False, [])
     """
-    kept: dict[str, _Kept] = {}
+    kept: dict[str, Kept] = {}
     notes: list[str] = []
     for prefix, module in model.named_modules():
         for strict, attr in ((False, "_keep_in_fp32_modules"), (True, "_keep_in_fp32_modules_strict")):
@@ -217,7 +225,7 @@ def _kept_in_float32(model: nn.Module) -> tuple[dict[str, _Kept], list[str]]:
                     [n for n, _ in module.named_buffers(remove_duplicate=False)]
             for entry in sorted(entries):
                 searched = re.compile(str(entry).replace("*", ".*"))
-                declared = f"{_class_name(module)}.{attr} {entry!r}"
+                declared = f"{class_name(module)}.{attr} {entry!r}"
                 for name in names:
                     if searched.search(name) is None:
                         continue
@@ -231,5 +239,5 @@ def _kept_in_float32(model: nn.Module) -> tuple[dict[str, _Kept], list[str]]:
                         continue
                     path = f"{prefix}.{owner}" if prefix else owner
                     if path not in kept or (strict and not kept[path].strict):
-                        kept[path] = _Kept(strict, declared)
+                        kept[path] = Kept(strict, declared)
     return kept, notes

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from ...errors import AmpBridgeWarning
 from ..common import StepRecord, read_host_scalar
-from .plan import _bypassed
+from .plan import bypassed_modules
 
 # --- the numerics monitor ----------------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class Monitor:
                 self._owned.append((path_, own))
         # attribution candidates: modules that run no sub-module (a MultiheadAttention never calls
         # its out_proj: it is the candidate, not out_proj)
-        bypassed = _bypassed(amp.model)
+        bypassed = bypassed_modules(amp.model)
         whole = set(bypassed.values())
         self._candidates = [p for p, m in named
                             if p not in bypassed and (next(m.children(), None) is None or p in whole)]

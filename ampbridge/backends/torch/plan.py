@@ -20,11 +20,11 @@ from ...core.plan import BY_MODEL, Layer, Plan, PlanRow, build_plan, join_notes,
 from ...core.policy import Policy
 from ..common import environment, room_above
 from ...errors import AmpBridgeError, UnsupportedOptionError
-from .environment import (_LOW, DTYPE_NAMES, DTYPES, device_type_of, resolve_for_device, cpu_lstm_runs,
+from .environment import (LOW_DTYPES, DTYPE_NAMES, DTYPES, device_type_of, resolve_for_device, cpu_lstm_runs,
                           cpu_lstm_takes_float32_inputs)
-from .forward import _Spec
+from .forward import ForwardSpec
 from . import fp8
-from .layers import _class_name, _entries, _Kept, _kept_in_float32, layers
+from .layers import class_name, module_entries, Kept, kept_in_float32, layers
 
 # --- what autocast does with each module, per device ---------------------------------------------
 #
@@ -66,7 +66,7 @@ def _behaviour(module: nn.Module, device_type: str) -> str:
     return "input"
 
 
-def _bypassed(model: nn.Module) -> dict[str, str]:
+def bypassed_modules(model: nn.Module) -> dict[str, str]:
     """Modules whose forward their parent never calls (it uses their parameters directly)."""
     out = {}
     for path, module in model.named_modules():
@@ -81,13 +81,13 @@ def _bypassed(model: nn.Module) -> dict[str, str]:
 _KEPT_UNDER = {False: ("float16",), True: ("float16", "bfloat16")}
 
 
-def _author_layers(model: nn.Module, policy: Policy) -> tuple[list[Layer], dict[str, _Kept], list[str]]:
+def _author_layers(model: nn.Module, policy: Policy) -> tuple[list[Layer], dict[str, Kept], list[str]]:
     """The model's layers, those its author keeps in float32 marked ``fixed`` (the Plan's ``set by
     the model``), as transformers would: ``_keep_in_fp32_modules`` where the module would otherwise
     compute in float16, ``_keep_in_fp32_modules_strict`` in float16 or bfloat16 (the compute dtype
     its row has without the author's choice stands for ``from_pretrained``'s ``dtype``)."""
     described = layers(model)
-    kept, notes = _kept_in_float32(model)
+    kept, notes = kept_in_float32(model)
     if not kept:
         return described, kept, notes
     without = build_plan(described, policy, framework="torch", warn=False)
@@ -133,7 +133,7 @@ class Realisation:
 
     plan: Plan
     policy: Policy
-    specs: Mapping[str, _Spec]  # path ("" = the root) -> spec
+    specs: Mapping[str, ForwardSpec]  # path ("" = the root) -> spec
     storage: Mapping[int, tuple[nn.Parameter, torch.dtype]] = field(default_factory=dict)
     input_following: frozenset[str] = frozenset()  # rows whose dtype follows their input
     promoted: frozenset[str] = frozenset()  # rows whose own code promotes the stream (output not cast)
@@ -142,12 +142,12 @@ class Realisation:
 
 def realise_plan(model: nn.Module, policy: Policy, device_type: str, *, warn: bool = True,
              notes: Sequence[str] = ()) -> Realisation:
-    entries = _entries(model)
+    entries = module_entries(model)
     modules = dict(entries)
     described, kept, kept_notes = _author_layers(model, policy)
     raw = build_plan(described, policy, framework="torch", warn=warn)
     rules = dict(policy.rules)
-    bypassed = _bypassed(model)
+    bypassed = bypassed_modules(model)
     # rows whose output meets their caller's stream of another dtype: the same rule in every backend.
     # The caller's output is not cast (hand-written autocast casts nothing at a module's boundary):
     # torch promotes the stream and carries it on, so the caller's output follows the data flow
@@ -238,9 +238,9 @@ class _Walk:
     bypassed: Mapping[str, str]
     stream_of: Mapping[str, str | None]
     widened: Mapping[str, set[str]]
-    kept: Mapping[str, _Kept]
+    kept: Mapping[str, Kept]
     low_below: set[str]
-    specs: dict[str, _Spec] = field(default_factory=dict)
+    specs: dict[str, ForwardSpec] = field(default_factory=dict)
     region_root: dict[str, str] = field(default_factory=dict)
     input_following: set[str] = field(default_factory=set)
 
@@ -267,7 +267,7 @@ def _bypassed_row(walk: _Walk, row: PlanRow) -> PlanRow:
     if row.compute_dtype != parent.compute_dtype:
         raise UnsupportedOptionError(
             f"{row.rule} ({row.pattern}) sets {row.path!r} to compute in {row.compute_dtype}, but "
-            f"{_class_name(walk.modules[owner])} {owner!r} uses its parameters in its own "
+            f"{class_name(walk.modules[owner])} {owner!r} uses its parameters in its own "
             f"forward (it never calls {row.path!r}); match {owner!r} instead")
     return with_note(row, f"its parameters are used by {owner}'s forward, which "
                           f"runs in {parent.compute_dtype}", output_dtype=parent.compute_dtype)
@@ -298,7 +298,7 @@ def _casts(walk: _Walk, row: PlanRow, module: nn.Module, behaviour: str) -> tupl
     own_float = [p for p in module.parameters(recurse=False)
                  if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter)]
     own_stored = {walk.storage[id(p)][1] for p in own_float if id(p) in walk.storage}
-    own_low = any(d in _LOW for d in own_stored)
+    own_low = any(d in LOW_DTYPES for d in own_stored)
     region_change = compute != enclosing and not is_root
     walk.region_root[path] = path if region_change else walk.region_root.get(parent_path, "")
     mixed_float32 = (compute == "float32" and not region_change and walk.region_root[path] in walk.low_below
@@ -338,7 +338,7 @@ def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
         explicit_output and row.output_dtype != natural_out)
     if is_root:
         wrap = False
-        specs[""] = _Spec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
+        specs[""] = ForwardSpec("", device_type, DTYPES[compute], DTYPES[compute] if cast_inputs else None,
                           DTYPES[policy.output_dtype], present_as, policy.matmul_precision, root=True)
     changes: dict[str, Any] = {}
     notes_here = [n for n in (stream and stream + _TORCH_STREAM.format(caller=_code_caller(path, modules) or "the model"),
@@ -356,7 +356,7 @@ def _realise_row(walk: _Walk, row: PlanRow) -> PlanRow:
     if wrap:
         # the output is cast only where a rule asks for an output dtype: a pinned module emits what
         # it computes, as under autocast(enabled=False) by hand
-        specs[path] = _Spec(path, device_type, DTYPES[compute] if region_change else None,
+        specs[path] = ForwardSpec(path, device_type, DTYPES[compute] if region_change else None,
                             DTYPES[compute] if cast_inputs else None,
                             DTYPES[row.output_dtype] if explicit_output and not follows else None, present_as,
                             params_follow_input=follow_params)
@@ -396,7 +396,7 @@ def _storage(raw: Plan, modules: Mapping[str, nn.Module]) -> dict[int, tuple[nn.
             if isinstance(p, nn.parameter.UninitializedParameter):
                 if chosen != "float32":
                     path = asks[0][0]
-                    raise AmpBridgeError(f"{path!r} ({_class_name(modules[path])}) has uninitialised lazy "
+                    raise AmpBridgeError(f"{path!r} ({class_name(modules[path])}) has uninitialised lazy "
                                          f"parameters; run one forward to materialise them before applying "
                                          f"param_dtype={chosen!r}")
                 continue
@@ -452,7 +452,7 @@ def _natural(row: PlanRow, module: nn.Module, behaviour: str, device_type: str, 
              cast_inputs: bool, own_stored: set[torch.dtype]) -> tuple[str, str, str, bool]:
     """What the module really does: (compute dtype, output dtype, note, output follows the input)."""
     compute = row.compute_dtype
-    cls = _class_name(module)
+    cls = class_name(module)
     if behaviour == "weights":
         weights = DTYPE_NAMES[present_as] if present_as is not None else (
             DTYPE_NAMES[next(iter(own_stored))] if len(own_stored) == 1 else row.param_dtype)

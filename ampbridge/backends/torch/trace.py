@@ -62,7 +62,7 @@ def trace(model: nn.Module, policy: Policy | str | Path, *example_inputs: Any, w
         amp = apply.TorchAmp(twin, policy, device_type_of(twin, device_type), notes=env_notes)
     # the unmatched-rule warnings belong to the caller, once
     realise_plan(model, amp.active_policy, amp.device_type, warn=warn)
-    return _trace(amp, example_inputs, example_kwargs)
+    return trace_forward(amp, example_inputs, example_kwargs)
 
 
 class _Recording:
@@ -180,7 +180,8 @@ def _traced_row(row: Any, rec: _Recording, realisation: Any) -> Any:
     return with_note(row, join_notes(reason, "traced: " + ", ".join(said)) if said else reason, **changes)
 
 
-def _trace(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+def trace_forward(amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    """The Plan of one observed forward of the applied model (``TorchAmp.trace`` and :func:`trace`)."""
     # amp: the TorchAmp (whose trace() calls this; apply imports this room, not the other way)
     rec = _Recording(amp)
     rec.run(args, kwargs)
