@@ -130,3 +130,25 @@ def test_schedule_needs_the_ampbridge_optimizer(kx):
 
     with pytest.raises(ampbridge.UnsupportedOptionError, match="ampbridge.keras.optimizer"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[ak.PhaseCallback(policy)])
+
+
+def test_the_demo_schedule_trains_through_fit_on_this_backend(kx):
+    # the demo's Keras runner reads the optimizer in fit callbacks: under JAX, fit keeps the state off
+    # the variables mid-epoch, and reading them there raised a TypeError (only tests/parity, run under
+    # TensorFlow, ran this runner)
+    from ampbridge.cli.demo.runners import run_keras
+
+    policy = ampbridge.loads("""
+        compute_dtype = "float16"
+        [loss_scale]
+        initial_scale = 1024.0
+        growth_interval = 2
+        [[phase]]
+        until_step = 2
+        compute_dtype = "float32"
+        [[phase]]
+    """)
+    run = run_keras(policy, 4, inject={3})
+    assert run.phases == [0, 0, 1, 1]
+    assert run.skipped == [False, False, False, True]
+    assert run.final_state.skipped == 1 and run.final_state.steps == 4

@@ -220,15 +220,17 @@ def _keras_fit_schedule(policy: Policy, run: Run, model: Any, opt: Any, data: li
     phase_cb = ak.PhaseCallback(policy)
 
     class Record(keras.callbacks.Callback):
+        # the optimizer is read through self.model: on JAX, fit keeps the state off the variables
+        # mid-epoch, and Keras syncs it back only when a callback asks for its model
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             run.phases.append(phase_cb.phase)
-            run.scales.append(_keras_scale(opt, False))
-            self.skipped_before = opt.state.skipped
+            run.scales.append(_keras_scale(self.model.optimizer, False))
+            self.skipped_before = self.model.optimizer.state.skipped
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             run.step_seconds.append(time.perf_counter() - self.t0)
-            run.skipped.append(opt.state.skipped > self.skipped_before)
+            run.skipped.append(self.model.optimizer.state.skipped > self.skipped_before)
             run.losses.append(math.nan)  # fit reports running means, not per-step losses
             _tick(progress, batch)
 
