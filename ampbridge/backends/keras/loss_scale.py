@@ -21,7 +21,7 @@ from ...core.loss_scale import INT32_MAX, LossScaleState, f32, initial_state, re
 from ...core.policy import LossScaleConfig, Policy
 from ...errors import AmpBridgeWarning, LossScaleError, UnsupportedOptionError
 from ..private_hooks import tested_range
-from .distributed import agreed_finite, replicas, tf_apply
+from .distributed import agreed_finite, check_reduce_dtype, replicas, tf_apply
 from .environment import active_backend, resolve_policy
 from .numerics import LAYOUT, MonitorSpec, all_finite, finite_flags, grad_stats, host_value, split_count
 
@@ -751,10 +751,7 @@ def optimizer(inner: Any, policy: Policy | str) -> LossScaleOptimizer:
     if isinstance(inner, keras.optimizers.LossScaleOptimizer):
         raise TypeError(f"optimizer() wraps a plain Keras optimizer; received a {type(inner).__name__}, "
                         "which already scales the loss (pass its inner_optimizer)")
-    if active.reduce_dtype != active.param_dtype and replicas() > 1:
-        raise UnsupportedOptionError(
-            f"reduce_dtype={active.reduce_dtype} with param_dtype={active.param_dtype}: Keras all-reduces "
-            "gradients in the variables' dtype; set reduce_dtype to the param_dtype")
+    check_reduce_dtype(policy, replicas())
     return LossScaleOptimizer(inner, loss_scale=active.resolved_loss_scale, policy=policy)
 
 

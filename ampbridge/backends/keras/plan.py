@@ -176,9 +176,10 @@ def static_plan(model: Any, policy: Policy | str, *, warn: bool = True) -> Plan:
     described, by_path = describe(model)
     from .fp8 import mark_rows
 
+    active = policy.at(step=0, epoch=0)
     built = build_plan(described, policy, framework=f"keras ({active_backend()})",
-                       adjust=_adjuster(policy.at(step=0, epoch=0), by_path), warn=warn, notes=notes)
-    rows, following = _composite_outputs(list(built.rows), by_path, policy.at(step=0, epoch=0))
+                       adjust=_adjuster(active, by_path), warn=warn, notes=notes)
+    rows, following = _composite_outputs(list(built.rows), by_path, active)
     if following:
         notes = built.notes + (f"{following} composite row(s) follow the data flow (Keras casts nothing at a "
                                "layer's output); ampbridge.keras.trace(model, policy, *example_inputs) traces "
