@@ -140,3 +140,20 @@ def test_resume_declares_the_phase_without_converting():
     same_params, same_state = sched.enter(params, opt_state, epoch=1)
     assert same_params is params and same_state is opt_state
     assert np.isclose(float(abj.scale_loss(jnp.float32(1.0), opt_state)), 65536.0)
+
+
+def test_the_demo_runs_an_epoch_schedule_in_its_first_phase():
+    # the demo trains its steps as one epoch (Keras fits epochs=1); its JAX runner asked an epoch
+    # schedule for a step's phase and ended `ampbridge demo examples/reference.toml` with an error
+    from ampbridge.cli.demo.runners import run_jax
+
+    policy = ampbridge.loads("""
+        compute_dtype = "float16"
+        [[phase]]
+        until_epoch = 1
+        [[phase]]
+        compute_dtype = "float32"
+    """)
+    run = run_jax(policy, 3)
+    assert run.phases == [0, 0, 0]
+    assert run.final_state.steps == 3 and run.plan.rows[0].compute_dtype == "float16"

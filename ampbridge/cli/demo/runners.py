@@ -272,8 +272,9 @@ def _jax_stepper(policy: Policy, module: Any, params: Any, x0: Any) -> tuple[Any
         opt_state = schedule.init(jax.random.key(0), x0)[1]
 
         def step_at(i: int, params: Any, opt_state: Any) -> tuple[Any, Any, Callable[..., Any]]:
-            params, opt_state = schedule.enter(params, opt_state, step=i)
-            return params, opt_state, schedule.step_fn(step=i)
+            # the demo's steps are one epoch (Keras fits epochs=1): an epoch schedule stays in its first phase
+            params, opt_state = schedule.enter(params, opt_state, step=i, epoch=0)
+            return params, opt_state, schedule.step_fn(step=i, epoch=0)
         return opt_state, step_at
     amp = abj.apply(module, policy)
     tx = abj.optimizer(optax.sgd(CONFIG.lr), policy)
@@ -353,7 +354,7 @@ def run_jax(policy: Policy, steps: int, inject: Iterable[int] = (), *, seed: int
         opt_state, step_at = _jax_stepper(policy, module, params, x0)
     for i, (x, y) in enumerate(data):
         if policy.phases:
-            run.phases.append(policy.phase_index(step=i))
+            run.phases.append(policy.phase_index(step=i, epoch=0))  # one epoch, as in _jax_stepper
         params, opt_state, step = step_at(i, params, opt_state)
         before = abj.loss_scale(opt_state)
         used, skipped_before = float(before.scale), int(before.skipped)
